@@ -1,0 +1,144 @@
+"""Dtype names and aliases, per-device defaults, and hardware capability.
+
+This is the one module that knows about hardware: every other module asks here
+whether a device runs bf16, fp16 or fp8 natively, and which device to use when
+the caller did not say.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+DtypeLike = Union[torch.dtype, str]
+
+# One alias table for every dtype ampkit accepts by name (jmp-style).
+_ALIASES: dict[str, torch.dtype] = {
+    "f32": torch.float32, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "f16": torch.float16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
+# Canonical short name of each dtype, used by str(Policy).
+_SHORT: dict[torch.dtype, str] = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+}
+HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_NAMES = "fp16/float16/half, bf16/bfloat16, fp32/float32/float"
+
+
+def resolve_dtype(value: DtypeLike, *, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+                  what: str = "dtype") -> torch.dtype:
+    """Turn a dtype or one of its names into a torch.dtype that is in ``allowed``.
+
+    Example: ``resolve_dtype("bf16") is torch.bfloat16``.
+    """
+    if isinstance(value, str):
+        dtype = _ALIASES.get(value.strip().lower())
+        if dtype is None:
+            raise ValueError(f"unknown {what} {value!r}; valid names: {_valid_names(allowed)}")
+    elif isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        raise TypeError(f"{what} must be a torch.dtype or a name, got {type(value).__name__} "
+                        f"{value!r}; valid names: {_valid_names(allowed)}")
+    if dtype not in allowed:
+        raise ValueError(f"{what} {value!r} is not allowed here; valid: {_valid_names(allowed)}")
+    return dtype
+
+
+def _valid_names(allowed: tuple[torch.dtype, ...]) -> str:
+    names = [name for name, d in _ALIASES.items() if d in allowed]
+    return ", ".join(names) if names else _DTYPE_NAMES
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """The canonical short name of a floating dtype ("f32", "f16", "bf16")."""
+    return _SHORT[dtype]
+
+
+def default_device_type() -> str:
+    """The device type ampkit uses when none is given: "cuda" when available, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device_type(device_type: str) -> str:
+    """Validate a device type name (e.g. "cpu", "cuda") against what torch knows."""
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    try:
+        return torch.device(device_type).type
+    except RuntimeError as err:
+        raise ValueError(f"unknown device type {device_type!r}; valid: 'cpu', 'cuda', "
+                         f"'xpu', 'mps', ... (any torch device type)") from err
+
+
+def autocast_default_dtype(device_type: str) -> torch.dtype:
+    """torch's default autocast dtype for a device type (fp16 on CUDA, bf16 on CPU)."""
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except (AttributeError, RuntimeError):  # torch < 2.4 or an exotic backend
+        return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a device runs natively: half dtypes and fp8 matmuls."""
+
+    device: str
+    name: str
+    bf16: bool
+    fp16: bool
+    fp8: bool
+
+
+@functools.lru_cache(maxsize=None)
+def capability(device: Optional[str] = None) -> Capability:
+    """Detect native bf16 / fp16 / fp8 support of a device (cached per device).
+
+    CUDA: bf16 from compute capability 8.0, fp16 tensor cores from 7.0, fp8 from 8.9.
+    CPU: bf16 with AVX512-BF16 or AMX-BF16, fp16 with AVX512-FP16 or AMX-FP16;
+    fp8 matmuls have no CPU hardware (ampkit emulates them there).
+    """
+    dev = torch.device(device or default_device_type())
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        cc = major * 10 + minor
+        return Capability(str(dev), torch.cuda.get_device_name(dev), cc >= 80, cc >= 70, cc >= 89)
+    if dev.type == "cpu":
+        flags = _cpu_flags()
+        bf16 = bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+        fp16 = bool(flags.get("avx512_fp16") or flags.get("amx_fp16"))
+        return Capability("cpu", str(flags.get("cpu_name", "cpu")), bf16, fp16, False)
+    return Capability(str(dev), dev.type, False, False, False)
+
+
+def _cpu_flags() -> dict:
+    getter = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    if getter is None:  # older torch: no way to ask, assume no half hardware
+        return {}
+    flags = getter()
+    return flags if isinstance(flags, dict) else {}
+
+
+def fp8_supported(device: Optional[str] = None) -> bool:
+    """True when the device has fp8 tensor cores that ``torch._scaled_mm`` can use."""
+    dev = torch.device(device or default_device_type())
+    return dev.type == "cuda" and hasattr(torch, "_scaled_mm") and capability(str(dev)).fp8
+
+
+def recommend_policy(device: Optional[str] = None) -> tuple[str, str]:
+    """The policy ampkit recommends on a device and the reason, e.g. ("bf16-mixed", "...")."""
+    cap = capability(device)
+    kind = torch.device(cap.device).type
+    if kind == "cuda" and cap.bf16:
+        return "bf16-mixed", "bf16 tensor cores and fp32's exponent range: no loss scaling needed"
+    if kind == "cuda" and cap.fp16:
+        return "16-mixed", "fp16 tensor cores but no bf16: autocast fp16 with dynamic loss scaling"
+    if kind == "cpu" and cap.bf16:
+        return "bf16-mixed", "this CPU has bf16 instructions (AVX512-BF16/AMX), so bf16 matmuls are fast"
+    return "32-true", ("no native bf16/fp16 arithmetic on this device: half-precision matmuls "
+                       "run many times slower than fp32 here")

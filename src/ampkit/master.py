@@ -1,0 +1,208 @@
+"""fp32 master weights for half models (apex O2).
+
+The optimizer steps fp32 copies ("masters") of the model's half parameters. Gradients
+flow model -> master while backward runs: a post-accumulate-grad hook on each half
+parameter converts its gradient into the master's fp32 ``.grad`` and frees the half
+gradient at once, so the half gradients never all exist together. After each optimizer
+step the masters are copied back into the model with one fused foreach copy per dtype.
+
+Scaling seam (used by ``GradScaler.unscale_`` and ``scale_loss``): master gradients are
+held *scaled* until a scaler unscales them in place and calls :meth:`note_unscaled`;
+gradients that arrive after that (accumulation across several ``scale_loss`` calls) are
+multiplied by the recorded inverse scale as they are added, so the masters always hold
+one consistent sum.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+_ATTR = "_ampkit_master_weights"
+# id(model param) -> (weak ref to it, its master): lets convert.py's state_dict hooks save
+# and load the fp32 masters in place of the half params, so checkpoints resume bitwise.
+_REGISTRY: dict[int, tuple[weakref.ref, Tensor]] = {}
+
+
+def master_of(param: Tensor) -> Optional[Tensor]:
+    """The fp32 master of a half model parameter, or None when it has none."""
+    entry = _REGISTRY.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
+
+
+def _register(param: Tensor, master: Tensor) -> None:
+    key = id(param)
+    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), master)
+
+
+class MasterWeights:
+    """The model/master parameter pairs of one optimizer, and the moves between them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer_ref = weakref.ref(optimizer)
+        self.model_params: list[Tensor] = []
+        self.master_params: list[Tensor] = []
+        self._master_of: dict[int, Tensor] = {}
+        self._hooks: list[Any] = []
+        self._inv_scale: Optional[Tensor] = None
+        self._original_step: Optional[Callable[..., Any]] = None
+
+    # --- building -----------------------------------------------------------------------
+    def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
+        """Replace each half parameter in ``param_groups`` by an fp32 master, in place."""
+        for group in param_groups:
+            group["params"] = [self._adopt(p) for p in group["params"]]
+
+    def _adopt(self, param: Tensor) -> Tensor:
+        if param.dtype not in (torch.float16, torch.bfloat16):
+            return param  # already fp32 (e.g. a batch-norm kept in fp32): steps as itself
+        if id(param) in self._master_of:
+            return self._master_of[id(param)]
+        master = torch.nn.Parameter(param.detach().clone().float(), requires_grad=param.requires_grad)
+        self.model_params.append(param)
+        self.master_params.append(master)
+        self._master_of[id(param)] = master
+        _register(param, master)
+        if param.requires_grad:
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(master)))
+        return master
+
+    def _grad_hook(self, master: Tensor) -> Callable[[Tensor], None]:
+        def move_grad(param: Tensor) -> None:
+            self._accumulate(master, param.grad)
+            param.grad = None  # the half gradient is freed as soon as it is consumed
+        return move_grad
+
+    # --- gradients model -> master --------------------------------------------------------
+    def _accumulate(self, master: Tensor, grad: Optional[Tensor]) -> None:
+        if grad is None:
+            return
+        if self._inv_scale is None:  # masters still hold scaled grads: plain sum
+            if master.grad is None:
+                master.grad = grad.detach().float()
+            else:
+                master.grad.add_(grad.detach())
+            return
+        # The masters were unscaled already: bring the new (scaled) grad to their scale.
+        # A device tensor multiply, no host sync.
+        if master.grad is None:
+            master.grad = grad.detach().float().mul_(self._inv_scale)
+        else:
+            master.grad.addcmul_(grad.detach().float(), self._inv_scale)
+
+    def sync_grads(self) -> None:
+        """Move any half gradient the hooks did not see (e.g. set by hand) into the masters."""
+        for param, master in zip(self.model_params, self.master_params):
+            if param.grad is not None:
+                self._accumulate(master, param.grad)
+                param.grad = None
+
+    def note_unscaled(self, inv_scale: Optional[Tensor]) -> None:
+        """Record that the master grads were unscaled in place by ``inv_scale``.
+
+        Called by the scalers after unscaling; ``None`` means the masters hold scaled
+        (or never-scaled) gradients again, as after ``zero_grad``.
+        """
+        self._inv_scale = None if inv_scale is None else inv_scale.detach().clone()
+
+    def master_grads(self) -> list[Tensor]:
+        return [m.grad for m in self.master_params if m.grad is not None]
+
+    # --- parameters master -> model -------------------------------------------------------
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Copy every master into its model parameter: one foreach copy per (device, dtype)."""
+        groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+        for param, master in zip(self.model_params, self.master_params):
+            dst, src = groups[(param.device, param.dtype)]
+            dst.append(param)
+            src.append(master)
+        for dst, src in groups.values():
+            torch._foreach_copy_(dst, src)
+
+    @torch.no_grad()
+    def copy_from_model(self) -> None:
+        """Refresh the masters from the model (after the model's weights were loaded)."""
+        for param, master in zip(self.model_params, self.master_params):
+            master.copy_(param)
+
+    def zero_model_grads(self, set_to_none: bool = True) -> None:
+        for param in self.model_params:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    def remove(self) -> None:
+        """Detach the gradient hooks (the optimizer keeps stepping its masters)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for param in self.model_params:
+            _REGISTRY.pop(id(param), None)
+
+
+def master_weights_of(optimizer: Any) -> Optional[MasterWeights]:
+    """The MasterWeights attached to an optimizer by ``initialize``, or None."""
+    return getattr(optimizer, _ATTR, None)
+
+
+def attach_master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights:
+    """Give ``optimizer`` fp32 masters for its half parameters and wrap step/zero_grad.
+
+    ``optimizer.step`` then copies the masters back into the model after stepping, and
+    ``optimizer.zero_grad`` clears model and master gradients alike.
+    """
+    if master_weights_of(optimizer) is not None:
+        raise RuntimeError(f"optimizer {type(optimizer).__name__} already has ampkit master weights")
+    mw = MasterWeights(optimizer)
+    mw.adopt_param_groups(optimizer.param_groups)
+    _rebind_state(optimizer, mw)
+    setattr(optimizer, _ATTR, mw)
+    _wrap_methods(optimizer, mw)
+    return mw
+
+
+def _rebind_state(optimizer: torch.optim.Optimizer, mw: MasterWeights) -> None:
+    """Move optimizer state that was keyed by a half param onto its master."""
+    for param, master in zip(mw.model_params, mw.master_params):
+        if param in optimizer.state:
+            state = optimizer.state.pop(param)
+            optimizer.state[master] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                           and v.dim() > 0 else v) for k, v in state.items()}
+
+
+def _wrap_methods(optimizer: torch.optim.Optimizer, mw: MasterWeights) -> None:
+    step = optimizer.step
+    zero_grad = optimizer.zero_grad
+    add_param_group = optimizer.add_param_group
+
+    def master_step(*args: Any, **kwargs: Any) -> Any:
+        mw.sync_grads()
+        result = step(*args, **kwargs)
+        mw.copy_to_model()
+        return result
+
+    def master_zero_grad(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none=set_to_none)
+        mw.zero_model_grads(set_to_none)
+        mw.note_unscaled(None)
+
+    def master_add_param_group(group: dict) -> None:
+        params = group["params"]
+        group = dict(group, params=[params] if torch.is_tensor(params) else list(params))
+        mw.adopt_param_groups([group])
+        add_param_group(group)
+
+    # Keep the optimizer's attributes the fused path looks at (_step_supports_amp_scaling).
+    master_step.__wrapped__ = step  # type: ignore[attr-defined]
+    optimizer.step = master_step  # type: ignore[method-assign]
+    optimizer.zero_grad = master_zero_grad  # type: ignore[method-assign]
+    optimizer.add_param_group = master_add_param_group  # type: ignore[method-assign]
