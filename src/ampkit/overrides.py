@@ -1,0 +1,249 @@
+"""User op overrides: force a function to run in half, in fp32, or in its widest input dtype.
+
+What torch.amp lacks (pytorch issue 49038) and apex.amp had. A registration replaces
+``module.name`` by a casting wrapper only while an ``ampkit.autocast`` region is active
+somewhere in the process, and the wrapper casts only in a thread whose innermost
+ampkit.autocast is enabled. With no active region the original function is in place, so
+an override costs nothing outside autocast.
+
+Example:
+    >>> import torch, ampkit
+    >>> handle = ampkit.register_float_function(torch, "mm")
+    >>> with ampkit.autocast("cpu", dtype=torch.bfloat16):
+    ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+    torch.float32
+    >>> handle.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CastKind(str, enum.Enum):
+    """How an overridden function's floating tensor arguments are cast."""
+
+    HALF = "half"  # to the active autocast dtype (fp16 or bf16)
+    FLOAT = "float"  # to fp32
+    PROMOTE = "promote"  # to the widest floating dtype among the arguments
+
+
+@dataclass
+class _Frame:
+    device_type: str
+    dtype: torch.dtype
+    enabled: bool
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+
+
+_local = _Local()
+_lock = threading.Lock()
+_active_regions = 0  # ampkit.autocast regions open in the whole process
+_registry: dict[tuple[int, str], "Registration"] = {}
+
+
+# --- per-thread autocast frames (pushed and popped by ampkit.autocast) -------------------
+def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
+    """Enter an ampkit.autocast region in this thread (installs overrides on the first)."""
+    global _active_regions
+    _local.frames.append(_Frame(device_type, dtype, enabled))
+    with _lock:
+        _active_regions += 1
+        if _active_regions == 1 and _registry:
+            _install_all()
+
+
+def pop_frame() -> None:
+    """Leave the innermost ampkit.autocast region of this thread."""
+    global _active_regions
+    _local.frames.pop()
+    with _lock:
+        _active_regions -= 1
+        if _active_regions == 0 and _registry:
+            _uninstall_all()
+
+
+def active_frame() -> Optional[_Frame]:
+    """This thread's innermost enabled ampkit.autocast frame, or None."""
+    frames = _local.frames
+    if frames and frames[-1].enabled:
+        return frames[-1]
+    return None
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Run the block without autocast or overrides: ops take their inputs' dtypes.
+
+    Only acts inside an ampkit.autocast region of this thread; elsewhere it does nothing.
+    """
+    frame = active_frame()
+    if frame is None:
+        yield
+        return
+    push_frame(frame.device_type, frame.dtype, enabled=False)
+    try:
+        with torch.autocast(frame.device_type, enabled=False):
+            yield
+    finally:
+        pop_frame()
+
+
+# --- casting --------------------------------------------------------------------------
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _widest(values: Any, widest: Optional[torch.dtype] = None) -> Optional[torch.dtype]:
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            if widest is None or torch.finfo(value.dtype).bits > torch.finfo(widest).bits:
+                widest = value.dtype
+        elif isinstance(value, (list, tuple)):
+            widest = _widest(value, widest)
+        elif isinstance(value, dict):
+            widest = _widest(value.values(), widest)
+    return widest
+
+
+def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+    if kind is CastKind.HALF:
+        return frame.dtype
+    if kind is CastKind.FLOAT:
+        return torch.float32
+    return _widest((args, kwargs))
+
+
+def _casting_wrapper(fn: F, kind: CastKind) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        frame = active_frame()
+        if frame is None:
+            return fn(*args, **kwargs)
+        dtype = _target_dtype(kind, frame, args, kwargs)
+        if dtype is not None:
+            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
+        # Autocast off inside, so torch's own per-op cast cannot undo the override.
+        with torch.autocast(frame.device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper.__ampkit_original__ = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+# --- registration -----------------------------------------------------------------------
+@dataclass
+class Registration:
+    """A registered override; ``remove()`` undoes it (tests use this to avoid leaks)."""
+
+    module: Any
+    name: str
+    kind: CastKind
+    original: Callable[..., Any]
+    wrapper: Callable[..., Any]
+
+    def remove(self) -> None:
+        with _lock:
+            if _registry.get((id(self.module), self.name)) is self:
+                del _registry[(id(self.module), self.name)]
+                setattr(self.module, self.name, self.original)
+
+
+def _register(module: Any, name: str, kind: CastKind) -> Registration:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str naming a function of {module!r}, got {name!r}")
+    original = getattr(module, name, None)
+    if original is None:
+        raise ValueError(f"{_module_name(module)} has no attribute {name!r} to register as a "
+                         f"{kind.value} function")
+    if not callable(original):
+        raise ValueError(f"{_module_name(module)}.{name} is not callable (a {type(original).__name__})")
+    key = (id(module), name)
+    with _lock:
+        previous = _registry.get(key)
+        if previous is not None:
+            raise ValueError(f"{_module_name(module)}.{name} is already registered as a "
+                             f"{previous.kind.value} function; call .remove() on that "
+                             "registration (or ampkit.overrides.clear()) first")
+        reg = Registration(module, name, kind, original, _casting_wrapper(original, kind))
+        _registry[key] = reg
+        if _active_regions:
+            setattr(module, name, reg.wrapper)
+    return reg
+
+
+def _module_name(module: Any) -> str:
+    return getattr(module, "__name__", type(module).__name__)
+
+
+def _install_all() -> None:
+    for reg in _registry.values():
+        setattr(reg.module, reg.name, reg.wrapper)
+
+
+def _uninstall_all() -> None:
+    for reg in _registry.values():
+        setattr(reg.module, reg.name, reg.original)
+
+
+def register_half_function(module: Any, name: str) -> Registration:
+    """Run ``module.name`` in the active half dtype under ampkit.autocast."""
+    return _register(module, name, CastKind.HALF)
+
+
+def register_float_function(module: Any, name: str) -> Registration:
+    """Run ``module.name`` in fp32 under ampkit.autocast."""
+    return _register(module, name, CastKind.FLOAT)
+
+
+def register_promote_function(module: Any, name: str) -> Registration:
+    """Run ``module.name`` in the widest floating dtype of its arguments under ampkit.autocast."""
+    return _register(module, name, CastKind.PROMOTE)
+
+
+def registrations() -> list[Registration]:
+    """Every override registered now."""
+    with _lock:
+        return list(_registry.values())
+
+
+def clear() -> None:
+    """Undo every registration."""
+    for reg in registrations():
+        reg.remove()
+
+
+def half_function(fn: F) -> F:
+    """Decorator: the function runs in the active half dtype under ampkit.autocast."""
+    return _casting_wrapper(fn, CastKind.HALF)
+
+
+def float_function(fn: F) -> F:
+    """Decorator: the function runs in fp32 under ampkit.autocast."""
+    return _casting_wrapper(fn, CastKind.FLOAT)
+
+
+def promote_function(fn: F) -> F:
+    """Decorator: the function runs in its arguments' widest floating dtype under ampkit.autocast."""
+    return _casting_wrapper(fn, CastKind.PROMOTE)
