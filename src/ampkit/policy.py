@@ -179,7 +179,10 @@ def _parse_explicit(text: str) -> Policy:
 
 def _parse_value(attr: str, value: str, text: str) -> object:
     if attr.endswith("_dtype"):
-        return resolve_dtype(value, what=f"{attr} in policy {text!r}")
+        try:
+            return resolve_dtype(value, what=attr)
+        except ValueError as err:
+            raise ValueError(f"{err} (in policy {text!r})") from None
     if attr == "loss_scale":
         return value if value == "dynamic" else _float(value, text)
     if value.lower() not in _BOOLS:

@@ -1,0 +1,31 @@
+"""Shared test setup: devices to parametrise over, gpu marker, and leak guards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+# Parametrise with `@pytest.mark.parametrize("device", DEVICES)`: cuda cases carry the
+# gpu marker and are skipped on a machine without one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    """Each test starts with no overrides registered and no active initialize."""
+    from ampkit import _state, overrides
+
+    yield
+    overrides.clear()
+    _state.set_active(None)

@@ -1,0 +1,165 @@
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit import _state
+from ampkit.autocast import autocast
+from conftest import DEVICES, HALF_DTYPES
+
+
+def _inputs(device):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    return {
+        "a": r(8, 16), "b": r(16, 8), "w": r(8, 16), "bias": r(8), "img": r(2, 3, 8, 8),
+        "k": r(4, 3, 3, 3), "x3": r(2, 8, 16), "y3": r(2, 16, 4), "t": torch.tensor([1, 0, 3, 2]).to(device),
+        "h": r(8, 16).to(torch.float16), "n": r(4, 16),
+    }
+
+
+OPS = {
+    "mm": lambda i: torch.mm(i["a"], i["b"]),
+    "matmul": lambda i: torch.matmul(i["x3"], i["y3"]),
+    "linear": lambda i: F.linear(i["a"], i["w"], i["bias"]),
+    "conv2d": lambda i: F.conv2d(i["img"], i["k"], padding=1),
+    "bmm": lambda i: torch.bmm(i["x3"], i["y3"]),
+    "softmax": lambda i: torch.softmax(torch.mm(i["a"], i["b"]), dim=-1),
+    "log_softmax": lambda i: F.log_softmax(torch.mm(i["a"], i["b"]), dim=-1),
+    "layer_norm": lambda i: F.layer_norm(torch.mm(i["a"], i["b"]), (8,)),
+    "cross_entropy": lambda i: F.cross_entropy(torch.mm(i["n"], i["b"]), i["t"]),
+    "sum": lambda i: torch.mm(i["a"], i["b"]).sum(),
+    "cat": lambda i: torch.cat([torch.mm(i["a"], i["b"]), i["a"][:, :8]]),
+    "add_mixed": lambda i: torch.mm(i["a"], i["b"]) + i["a"][:, :8],
+    "add_half_float": lambda i: i["h"] + i["a"],
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_ops_match_torch_autocast_bitwise(device, dtype, op):
+    inputs = _inputs(device)
+    with torch.autocast(device, dtype=dtype):
+        expected = OPS[op](inputs)
+    with autocast(device, dtype=dtype):
+        got = OPS[op](inputs)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("float16", torch.float16),
+                                         ("half", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_dtype_names(name, dtype):
+    with autocast("cpu", dtype=name) as ctx:
+        assert ctx.fast_dtype is dtype
+        assert torch.get_autocast_dtype("cpu") is dtype
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is dtype
+
+
+def test_device_and_dtype_inferred():
+    ctx = autocast()
+    assert ctx.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert ctx.fast_dtype is torch.get_autocast_dtype(ctx.device_type)
+
+
+def test_inferred_from_active_initialize():
+    _state.set_active(_state.ActiveAmp("cpu", torch.float16))
+    ctx = autocast()
+    assert (ctx.device_type, ctx.fast_dtype) == ("cpu", torch.float16)
+    assert autocast("cpu", dtype="bf16").fast_dtype is torch.bfloat16
+
+
+def test_state_restored_and_nesting():
+    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    with autocast("cpu", dtype=torch.float16):
+        with autocast("cpu", dtype=torch.bfloat16):
+            assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.bfloat16
+            with autocast("cpu", enabled=False):
+                assert not torch.is_autocast_enabled("cpu")
+                assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float32
+            assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") is torch.float16
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
+
+
+def test_exception_inside_restores_state():
+    with pytest.raises(KeyError):
+        with autocast("cpu", dtype=torch.bfloat16):
+            raise KeyError("boom")
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") is torch.bfloat16
+    from ampkit import overrides
+    assert overrides.active_frame() is None and overrides._active_regions == 0
+
+
+def test_cache_enabled_is_passed_through():
+    with autocast("cpu", cache_enabled=False):
+        assert not torch.is_autocast_cache_enabled()
+    with autocast("cpu", cache_enabled=True):
+        assert torch.is_autocast_cache_enabled()
+
+
+def test_decorator():
+    @autocast("cpu", dtype="bf16")
+    def f(a, b):
+        return torch.mm(a, b)
+
+    assert f(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+    assert f.__name__ == "f"
+
+
+def test_other_threads_unaffected():
+    seen = {}
+
+    def worker():
+        seen["enabled"] = torch.is_autocast_enabled("cpu")
+        seen["dtype"] = torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+
+    with autocast("cpu", dtype="bf16"):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen == {"enabled": False, "dtype": torch.float32}
+
+
+def test_compiled_function_called_inside():
+    def f(a, b):
+        return torch.mm(a, b).relu()
+
+    compiled = torch.compile(f, backend="eager")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = f(a, b)
+    with autocast("cpu", dtype=torch.bfloat16):
+        got = compiled(a, b)
+    assert got.dtype is torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_backward_through_autocast_gives_fp32_grads():
+    w = torch.randn(4, 4, requires_grad=True)
+    with autocast("cpu", dtype="bf16"):
+        out = torch.mm(torch.randn(2, 4), w)
+    out.float().sum().backward()
+    assert out.dtype is torch.bfloat16 and w.grad.dtype is torch.float32
+
+
+def test_exported():
+    assert ampkit.autocast is autocast
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"device_type": "gpu"}, ValueError, r"unknown device type 'gpu'; valid: 'cpu', 'cuda'"),
+    ({"dtype": "fp8"}, ValueError, r"unknown autocast dtype 'fp8'; valid names: .*bf16"),
+    ({"dtype": torch.int8}, ValueError, r"autocast dtype torch.int8 is not allowed"),
+    ({"enabled": "yes"}, TypeError, r"enabled must be a bool, got 'yes'"),
+])
+def test_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        autocast(**kwargs)

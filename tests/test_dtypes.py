@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from ampkit import _dtypes
+from ampkit._dtypes import HALF_DTYPES, capability, recommend_policy, resolve_dtype
+from ampkit.policy import get_policy
+
+
+@pytest.mark.parametrize("name, dtype", [
+    ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),
+    ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16),
+    ("fp32", torch.float32), ("float32", torch.float32), ("float", torch.float32),
+])
+def test_aliases(name, dtype):
+    assert resolve_dtype(name) is dtype
+    assert resolve_dtype(dtype) is dtype
+
+
+def test_bad_dtypes():
+    with pytest.raises(ValueError, match=r"unknown dtype 'fp8'; valid names: .*bf16"):
+        resolve_dtype("fp8")
+    with pytest.raises(ValueError, match=r"half_dtype torch.float32 is not allowed.*fp16.*bf16"):
+        resolve_dtype(torch.float32, allowed=HALF_DTYPES, what="half_dtype")
+    with pytest.raises(TypeError, match="must be a torch.dtype or a name, got int"):
+        resolve_dtype(16)  # type: ignore[arg-type]
+
+
+def test_device_types():
+    assert _dtypes.check_device_type("cpu") == "cpu"
+    with pytest.raises(ValueError, match=r"unknown device type 'gpu'; valid: 'cpu', 'cuda'"):
+        _dtypes.check_device_type("gpu")
+
+
+def test_cpu_capability_and_recommendation_are_consistent():
+    cap = capability("cpu")
+    assert cap.fp8 is False and not _dtypes.fp8_supported("cpu")
+    name, reason = recommend_policy("cpu")
+    get_policy(name)  # always a valid policy name
+    assert reason
+    assert name == ("bf16-mixed" if cap.bf16 else "32-true")
+
+
+def test_cpu_without_half_hardware_recommends_fp32(monkeypatch):
+    capability.cache_clear()
+    monkeypatch.setattr(_dtypes, "_cpu_flags", lambda: {"cpu_name": "plain"})
+    try:
+        assert recommend_policy("cpu")[0] == "32-true"
+        assert "slower" in recommend_policy("cpu")[1]
+    finally:
+        capability.cache_clear()
+
+
+def test_autocast_defaults():
+    assert _dtypes.autocast_default_dtype("cpu") is torch.bfloat16
+    assert _dtypes.autocast_default_dtype("cuda") is torch.float16

@@ -1,0 +1,157 @@
+import threading
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit import overrides
+from ampkit.autocast import autocast
+from conftest import DEVICES, HALF_DTYPES
+
+
+def _mm(device):
+    return torch.ones(4, 4, device=device), torch.ones(4, 4, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_float_function_runs_in_fp32_only_inside(device, dtype):
+    original = torch.mm
+    ampkit.register_float_function(torch, "mm")
+    assert torch.mm is original  # nothing installed outside a region
+    with autocast(device, dtype=dtype):
+        assert torch.mm(*_mm(device)).dtype is torch.float32
+        assert torch.matmul(*_mm(device)).dtype is dtype  # unregistered ops: autocast as usual
+    assert torch.mm is original
+    assert torch.mm(*_mm(device)).dtype is torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_function_uses_active_half_dtype(device, dtype):
+    ampkit.register_half_function(F, "softmax")  # autocast itself runs softmax in fp32
+    x = torch.randn(4, 8, device=device)
+    with autocast(device, dtype=dtype):
+        out = F.softmax(x, dim=-1)
+    assert out.dtype is dtype
+    assert torch.equal(out, torch.softmax(x.to(dtype), dim=-1))
+    assert F.softmax(x, dim=-1).dtype is torch.float32
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_promote_function_widens_to_widest_input(dtype):
+    module = types.SimpleNamespace(combine=lambda a, b: a * b)
+    original = module.combine
+    ampkit.register_promote_function(module, "combine")
+    a, b = torch.ones(3, dtype=dtype), torch.ones(3)
+    with autocast("cpu", dtype=dtype):
+        assert module.combine(a, b).dtype is torch.float32
+        assert module.combine(a, a).dtype is dtype
+    assert module.combine is original
+
+
+def test_nested_arguments_are_cast():
+    module = types.SimpleNamespace(total=lambda xs, scale=None: sum(x.sum() for x in xs) * scale)
+    ampkit.register_float_function(module, "total")
+    with autocast("cpu", dtype="bf16"):
+        out = module.total([torch.ones(2, dtype=torch.bfloat16)], scale=torch.ones((), dtype=torch.bfloat16))
+    assert out.dtype is torch.float32
+
+
+def test_disabled_region_and_disable_casts():
+    ampkit.register_float_function(torch, "mm")
+    with autocast("cpu", dtype="bf16"):
+        with autocast("cpu", enabled=False):
+            assert torch.mm(*_mm("cpu")).dtype is torch.float32
+            h = torch.ones(4, 4, dtype=torch.bfloat16)
+            assert torch.mm(h, h).dtype is torch.bfloat16  # no override in a disabled region
+        with ampkit.disable_casts():
+            assert not torch.is_autocast_enabled("cpu")
+            assert torch.matmul(*_mm("cpu")).dtype is torch.float32
+            assert torch.mm(h, h).dtype is torch.bfloat16
+        assert torch.is_autocast_enabled("cpu")
+    with ampkit.disable_casts():  # outside any region: a no-op
+        assert torch.mm(*_mm("cpu")).dtype is torch.float32
+
+
+def test_disable_casts_restores_on_exception():
+    with autocast("cpu", dtype="bf16"):
+        with pytest.raises(ValueError):
+            with ampkit.disable_casts():
+                raise ValueError("x")
+        assert torch.is_autocast_enabled("cpu")
+        assert overrides.active_frame() is not None
+
+
+def test_other_threads_see_original_behaviour():
+    ampkit.register_half_function(torch, "mm")
+    seen = {}
+
+    def worker():
+        seen["dtype"] = torch.mm(*_mm("cpu")).dtype
+
+    with autocast("cpu", dtype="bf16"):
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert torch.mm(*_mm("cpu")).dtype is torch.bfloat16
+    assert seen["dtype"] is torch.float32
+
+
+def test_registration_while_active_and_removal():
+    with autocast("cpu", dtype="bf16"):
+        reg = ampkit.register_float_function(torch, "mm")
+        assert torch.mm(*_mm("cpu")).dtype is torch.float32
+        reg.remove()
+        assert torch.mm(*_mm("cpu")).dtype is torch.bfloat16
+    assert overrides.registrations() == []
+
+
+def test_decorators_act_only_inside():
+    @ampkit.half_function
+    def f(x):
+        return x * 2
+
+    @ampkit.float_function
+    def g(x):
+        return x * 2
+
+    @ampkit.promote_function
+    def h(x, y):
+        return x + y
+
+    x = torch.ones(2)
+    assert f(x).dtype is torch.float32
+    with autocast("cpu", dtype="fp16"):
+        assert f(x).dtype is torch.float16
+        assert g(x.half()).dtype is torch.float32
+        assert h(x.half(), x).dtype is torch.float32
+    assert f.__name__ == "f"
+
+
+def test_error_raised_inside_override_leaves_state_clean():
+    module = types.SimpleNamespace(bad=lambda x: (_ for _ in ()).throw(KeyError("k")))
+    ampkit.register_float_function(module, "bad")
+    with autocast("cpu", dtype="bf16"):
+        with pytest.raises(KeyError):
+            module.bad(torch.ones(1))
+        assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("register", [ampkit.register_half_function, ampkit.register_float_function,
+                                      ampkit.register_promote_function])
+def test_missing_name_raises(register):
+    with pytest.raises(ValueError, match=r"torch has no attribute 'no_such_op'"):
+        register(torch, "no_such_op")
+
+
+def test_bad_registrations():
+    with pytest.raises(ValueError, match=r"torch.float32 is not callable"):
+        ampkit.register_float_function(torch, "float32")
+    with pytest.raises(TypeError, match="name must be a str"):
+        ampkit.register_float_function(torch, 3)  # type: ignore[arg-type]
+    ampkit.register_float_function(torch, "mm")
+    with pytest.raises(ValueError, match=r"torch.mm is already registered as a float function"):
+        ampkit.register_half_function(torch, "mm")
