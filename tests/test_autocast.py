@@ -95,7 +95,7 @@ def test_exception_inside_restores_state():
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") is torch.bfloat16
     from ampkit import overrides
-    assert overrides.active_frame() is None and overrides._active_regions == 0
+    assert overrides.active_frame() is None and overrides._open_regions == []
 
 
 def test_cache_enabled_is_passed_through():

@@ -155,3 +155,20 @@ def test_bad_registrations():
     ampkit.register_float_function(torch, "mm")
     with pytest.raises(ValueError, match=r"torch.mm is already registered as a float function"):
         ampkit.register_half_function(torch, "mm")
+
+
+def test_originals_back_after_last_region_closes_in_any_order():
+    original = torch.mm
+    ampkit.register_float_function(torch, "mm")
+    outer = autocast("cpu", dtype="bf16")
+    outer.__enter__()
+    inner = autocast("cpu", dtype="bf16")
+    inner.__enter__()
+    assert torch.mm is not original
+    inner.__exit__(None, None, None)
+    assert torch.mm is not original
+    outer.__exit__(None, None, None)
+    assert torch.mm is original
+    overrides.clear()
+    ampkit.register_half_function(torch, "mm")  # re-registering after a clear outside a region
+    assert torch.mm is original

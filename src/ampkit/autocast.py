@@ -19,6 +19,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 _AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32,)
 
 
+# (device_type, dtype, enabled) -> (enabled, dtype) as torch.autocast resolves them; torch
+# may disable itself (cuda without a GPU, a dtype the device lacks) and warns when it does.
+# Resolving once per key keeps torch's validation while entering stays cheap.
+_RESOLVED: dict[tuple[str, torch.dtype, bool], tuple[bool, torch.dtype]] = {}
+_CHECKED_DEVICES: dict[str, str] = {}
+
+
+def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
+    key = (device_type, dtype, enabled)
+    resolved = _RESOLVED.get(key)
+    if resolved is None:
+        reference = torch.autocast(device_type, dtype=dtype, enabled=enabled)
+        resolved = _RESOLVED[key] = (reference._enabled, reference.fast_dtype)
+    return resolved
+
+
+def _device_type(device_type: Optional[str]) -> str:
+    if device_type is None:
+        return _state.inferred_device_type()
+    checked = _CHECKED_DEVICES.get(device_type) if isinstance(device_type, str) else None
+    if checked is None:
+        checked = _CHECKED_DEVICES[device_type] = check_device_type(device_type)
+    return checked
+
+
 class autocast:  # noqa: N801 - the name mirrors torch.autocast
     """Context manager and decorator: ops run in the precision torch.autocast picks.
 
@@ -28,7 +53,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         dtype: torch.float16 / torch.bfloat16 or a name ("fp16", "bf16", ...); None: the
             active ``initialize``'s half dtype, else torch's default for the device.
         enabled: False makes the region a no-op (ops keep their dtypes).
-        cache_enabled: as torch.autocast (None: torch's default).
+        cache_enabled: as torch.autocast (None: torch's current setting).
 
     Example:
         >>> with autocast("cpu", dtype="bf16"):
@@ -41,13 +66,14 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
                  cache_enabled: Optional[bool] = None) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}")
-        self.device_type = (_state.inferred_device_type() if device_type is None
-                            else check_device_type(device_type))
-        self.fast_dtype = self._resolve_dtype(dtype)
+        self.device_type = _device_type(device_type)
         self.enabled = enabled
         self.cache_enabled = cache_enabled
-        self._torch = torch.autocast(self.device_type, dtype=self.fast_dtype,
-                                     enabled=enabled, cache_enabled=cache_enabled)
+        self._enabled, self.fast_dtype = _torch_resolution(
+            self.device_type, self._resolve_dtype(dtype), enabled)
+        self._cache_enabled = (torch.is_autocast_cache_enabled() if cache_enabled is None
+                               else cache_enabled)
+        self._delegate: Optional[torch.autocast] = None
 
     def _resolve_dtype(self, dtype: Optional[Union[torch.dtype, str]]) -> torch.dtype:
         if dtype is not None:
@@ -58,17 +84,36 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         return autocast_default_dtype(self.device_type)
 
     def __enter__(self) -> "autocast":
-        self._torch.__enter__()
-        # torch may have disabled itself (e.g. cuda without a GPU): follow what it did.
-        overrides.push_frame(self.device_type, self.fast_dtype, self._torch._enabled)
+        if torch._C._is_torch_function_mode_enabled():
+            # Tracing (torch.export, make_fx): let torch.autocast record the region.
+            self._delegate = torch.autocast(self.device_type, self.fast_dtype, self._enabled,
+                                            self._cache_enabled)
+            self._delegate.__enter__()
+        else:
+            # The same switches torch.autocast.__enter__ sets, without its per-call setup.
+            device = self.device_type
+            self._prev = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
+                          torch.get_autocast_dtype(device))
+            torch.set_autocast_enabled(device, self._enabled)
+            torch.set_autocast_dtype(device, self.fast_dtype)
+            torch.autocast_increment_nesting()
+            torch.set_autocast_cache_enabled(self._cache_enabled)
+        overrides.push_frame(self.device_type, self.fast_dtype, self._enabled)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Optional[bool]:
-        try:
-            overrides.pop_frame()
-        finally:
-            result = self._torch.__exit__(exc_type, exc, tb)
-        return result
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        overrides.pop_frame()
+        if self._delegate is not None:
+            delegate, self._delegate = self._delegate, None
+            return bool(delegate.__exit__(exc_type, exc, tb))
+        # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        cache, enabled, dtype = self._prev
+        torch.set_autocast_enabled(self.device_type, enabled)
+        torch.set_autocast_dtype(self.device_type, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        return False
 
     def __call__(self, func: F) -> F:
         args = (self.device_type, self.fast_dtype, self.enabled, self.cache_enabled)

@@ -22,7 +22,7 @@ import enum
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 
@@ -37,8 +37,7 @@ class CastKind(str, enum.Enum):
     PROMOTE = "promote"  # to the widest floating dtype among the arguments
 
 
-@dataclass
-class _Frame:
+class _Frame(NamedTuple):
     device_type: str
     dtype: torch.dtype
     enabled: bool
@@ -46,41 +45,53 @@ class _Frame:
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.frames: list[_Frame] = []
+        self.frames: list[tuple[str, torch.dtype, bool]] = []
 
 
 _local = _Local()
 _lock = threading.Lock()
-_active_regions = 0  # ampkit.autocast regions open in the whole process
+# One entry per ampkit.autocast region open in the whole process. list.append and
+# list.pop are atomic under the GIL, so entering costs no lock while nothing is
+# registered; with registrations, install/uninstall decisions re-check under _lock.
+_open_regions: list[None] = []
+_installed = False
 _registry: dict[tuple[int, str], "Registration"] = {}
 
 
 # --- per-thread autocast frames (pushed and popped by ampkit.autocast) -------------------
 def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     """Enter an ampkit.autocast region in this thread (installs overrides on the first)."""
-    global _active_regions
-    _local.frames.append(_Frame(device_type, dtype, enabled))
-    with _lock:
-        _active_regions += 1
-        if _active_regions == 1 and _registry:
-            _install_all()
+    _local.frames.append((device_type, dtype, enabled))  # a plain tuple: cheapest to build
+    _open_regions.append(None)
+    if _registry and not _installed:
+        with _lock:
+            _sync_installed()
 
 
 def pop_frame() -> None:
     """Leave the innermost ampkit.autocast region of this thread."""
-    global _active_regions
     _local.frames.pop()
-    with _lock:
-        _active_regions -= 1
-        if _active_regions == 0 and _registry:
-            _uninstall_all()
+    _open_regions.pop()
+    if _registry and not _open_regions:
+        with _lock:
+            _sync_installed()
+
+
+def _sync_installed() -> None:
+    """Under _lock: overrides are in place exactly while some region is open."""
+    global _installed
+    want = bool(_open_regions)
+    if want != _installed:
+        for reg in _registry.values():
+            setattr(reg.module, reg.name, reg.wrapper if want else reg.original)
+        _installed = want
 
 
 def active_frame() -> Optional[_Frame]:
     """This thread's innermost enabled ampkit.autocast frame, or None."""
     frames = _local.frames
-    if frames and frames[-1].enabled:
-        return frames[-1]
+    if frames and frames[-1][2]:
+        return _Frame(*frames[-1])
     return None
 
 
@@ -164,10 +175,13 @@ class Registration:
     wrapper: Callable[..., Any]
 
     def remove(self) -> None:
+        global _installed
         with _lock:
             if _registry.get((id(self.module), self.name)) is self:
                 del _registry[(id(self.module), self.name)]
                 setattr(self.module, self.name, self.original)
+            if not _registry:
+                _installed = False  # nothing left in place; the next registration re-syncs
 
 
 def _register(module: Any, name: str, kind: CastKind) -> Registration:
@@ -188,23 +202,15 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
                              "registration (or ampkit.overrides.clear()) first")
         reg = Registration(module, name, kind, original, _casting_wrapper(original, kind))
         _registry[key] = reg
-        if _active_regions:
+        if _installed:
             setattr(module, name, reg.wrapper)
+        else:
+            _sync_installed()
     return reg
 
 
 def _module_name(module: Any) -> str:
     return getattr(module, "__name__", type(module).__name__)
-
-
-def _install_all() -> None:
-    for reg in _registry.values():
-        setattr(reg.module, reg.name, reg.wrapper)
-
-
-def _uninstall_all() -> None:
-    for reg in _registry.values():
-        setattr(reg.module, reg.name, reg.original)
 
 
 def register_half_function(module: Any, name: str) -> Registration:
