@@ -1,0 +1,15 @@
+"""FP8 training: Float8Linear layers and convert_to_fp8.
+
+Example:
+    >>> import torch
+    >>> from ampkit.fp8 import convert_to_fp8
+    >>> model = convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(64, 64)), recipe="delayed")
+"""
+
+from __future__ import annotations
+
+from .config import AmaxComputeAlgo, Float8Config, Recipe
+from .convert import convert_to_fp8
+from .linear import Float8Linear
+
+__all__ = ["AmaxComputeAlgo", "Float8Config", "Float8Linear", "Recipe", "convert_to_fp8"]

@@ -1,0 +1,120 @@
+"""FP8 training configuration: the scaling recipe and its knobs.
+
+``Float8Config`` is resolved once (``Float8Config.coerce``) at the boundary —
+``Float8Linear.from_linear`` and ``convert_to_fp8`` — and never changes afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Union
+
+
+class Recipe(str, Enum):
+    """How the fp8 scales are chosen.
+
+    TENSORWISE: one scale per tensor from its current amax; e4m3 input and weight,
+        e5m2 output gradient.
+    DELAYED: one scale per tensor from an amax history of earlier steps (Transformer
+        Engine's DelayedScaling), so a cast needs no amax pass before it.
+    ROWWISE: one scale per row along the contraction dimension; e4m3 everywhere.
+    """
+
+    TENSORWISE = "tensorwise"
+    DELAYED = "delayed"
+    ROWWISE = "rowwise"
+
+
+class AmaxComputeAlgo(str, Enum):
+    """How the delayed recipe turns an amax history into the amax it scales by."""
+
+    MAX = "max"
+    MOST_RECENT = "most_recent"
+
+
+def _choices(enum: type[Enum]) -> str:
+    return ", ".join(repr(member.value) for member in enum)
+
+
+def _to_enum(enum: type[Enum], value: object, what: str) -> Enum:
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        try:
+            return enum(value.strip().lower())
+        except ValueError:
+            pass
+        raise ValueError(f"unknown {what} {value!r}; valid: {_choices(enum)}")
+    raise TypeError(f"{what} must be a str or {enum.__name__}, got "
+                    f"{type(value).__name__} {value!r}; valid: {_choices(enum)}")
+
+
+def _check_int(value: object, what: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what}={value!r} is invalid; valid: an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """The fp8 recipe of a Float8Linear and its scaling knobs.
+
+    Args:
+        recipe: "tensorwise", "delayed" or "rowwise" (a :class:`Recipe` or its value).
+        amax_history_len: steps of amax the delayed recipe remembers (>= 1).
+        amax_compute_algo: "max" (largest amax in the history) or "most_recent".
+        margin: scales are divided by ``2**margin``, so the amax maps ``margin`` binades
+            below the format's largest value (headroom for growth between steps; >= 0).
+        emulate: None picks per device (``torch._scaled_mm`` where
+            ``ampkit._dtypes.fp8_supported``, emulation with a one-time warning
+            elsewhere); True always emulates; False requires fp8 hardware.
+        output_fast_accum: run the forward GEMM with ``use_fast_accum=True`` (Hopper's
+            faster, less precise fp8 accumulation); the gradient GEMMs never use it.
+
+    Example:
+        >>> Float8Config("delayed", amax_history_len=4).recipe
+        <Recipe.DELAYED: 'delayed'>
+    """
+
+    recipe: Recipe = Recipe.TENSORWISE
+    amax_history_len: int = 16
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MAX
+    margin: int = 0
+    emulate: Optional[bool] = None
+    output_fast_accum: bool = False
+
+    def __post_init__(self) -> None:
+        # Strings become Enums here, once, while the instance is being built.
+        object.__setattr__(self, "recipe", _to_enum(Recipe, self.recipe, "fp8 recipe"))
+        object.__setattr__(self, "amax_compute_algo",
+                           _to_enum(AmaxComputeAlgo, self.amax_compute_algo, "amax_compute_algo"))
+        _check_int(self.amax_history_len, "amax_history_len", 1)
+        _check_int(self.margin, "margin", 0)
+        if self.emulate is not None and not isinstance(self.emulate, bool):
+            raise TypeError(f"emulate must be None, True or False, got {self.emulate!r}")
+        if not isinstance(self.output_fast_accum, bool):
+            raise TypeError(f"output_fast_accum must be True or False, got {self.output_fast_accum!r}")
+
+    @classmethod
+    def coerce(cls, value: Union["Float8Config", Recipe, str]) -> "Float8Config":
+        """A config from a recipe name, a :class:`Recipe`, or a config (returned as is).
+
+        Example:
+            >>> Float8Config.coerce("rowwise") == Float8Config(Recipe.ROWWISE)
+            True
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, Recipe)):
+            return cls(recipe=value)  # type: ignore[arg-type]
+        raise TypeError(f"recipe must be a recipe name, a Recipe or a Float8Config, got "
+                        f"{type(value).__name__} {value!r}; valid names: {_choices(Recipe)}")
+
+    @property
+    def short(self) -> str:
+        """A few characters naming the recipe, e.g. "delayed(16,max)"."""
+        if self.recipe is Recipe.DELAYED:
+            return f"delayed({self.amax_history_len},{self.amax_compute_algo.value})"
+        return self.recipe.value

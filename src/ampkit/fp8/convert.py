@@ -1,0 +1,94 @@
+"""convert_to_fp8: swap a model's eligible nn.Linear layers for Float8Linear in place."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Union
+
+from torch import nn
+
+from .config import Float8Config, Recipe
+from .linear import Float8Linear, check_fp8_dims
+
+logger = logging.getLogger("ampkit.fp8")
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _skip_reason(module: nn.Linear, fqn: str, module_filter: Optional[ModuleFilter]) -> Optional[str]:
+    if type(module) is not nn.Linear:
+        # A subclass may have its own forward (or be read by its owner, as
+        # MultiheadAttention reads out_proj.weight), which a swap would silently drop.
+        return f"{type(module).__name__} is a subclass of nn.Linear, not nn.Linear itself"
+    reason = check_fp8_dims(module.in_features, module.out_features)
+    if reason is not None:
+        return reason
+    if module_filter is not None and not module_filter(module, fqn):
+        return "refused by module_filter"
+    return None
+
+
+def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
+          ) -> tuple[list[tuple[nn.Module, str, nn.Linear]], list[tuple[str, str]]]:
+    """The (parent, attribute, linear) triples to swap and the (fqn, reason) skips."""
+    swaps: list[tuple[nn.Module, str, nn.Linear]] = []
+    skips: list[tuple[str, str]] = []
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
+                continue
+            fqn = f"{parent_name}.{name}" if parent_name else name
+            reason = _skip_reason(child, fqn, module_filter)
+            if reason is None:
+                swaps.append((parent, name, child))
+            else:
+                skips.append((fqn, reason))
+    return swaps, skips
+
+
+def convert_to_fp8(model: nn.Module, *,
+                   recipe: Union[str, Recipe, Float8Config] = Recipe.TENSORWISE,
+                   module_filter: Optional[ModuleFilter] = None) -> nn.Module:
+    """Swap every eligible nn.Linear of ``model`` for a Float8Linear, in place.
+
+    Eligible: exactly nn.Linear (not a subclass), in/out features multiples of 16, and
+    accepted by ``module_filter``. Skipped layers stay as they are and are reported on
+    the ``ampkit.fp8`` logger (INFO), one line each with the reason. The new layers share
+    the old Parameters, so state_dict keys and dtypes, optimizers and tied weights are
+    unchanged. Everything is checked before the first swap.
+
+    Args:
+        model: the model; a bare nn.Linear is returned converted (it cannot be swapped
+            inside itself).
+        recipe: "tensorwise", "delayed", "rowwise", a Recipe, or a Float8Config.
+        module_filter: ``module_filter(linear, fqn) -> bool``; False keeps that layer.
+
+    Returns:
+        The model.
+
+    Example:
+        >>> m = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10)))
+        >>> [type(layer).__name__ for layer in m]
+        ['Float8Linear', 'Linear']
+    """
+    config = Float8Config.coerce(recipe)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
+    if module_filter is not None and not callable(module_filter):
+        raise TypeError(f"module_filter must be a callable (module, fqn) -> bool or None, "
+                        f"got {module_filter!r}")
+    if isinstance(model, nn.Linear) and not isinstance(model, Float8Linear):
+        reason = _skip_reason(model, "", module_filter)
+        if reason is not None:
+            logger.info("convert_to_fp8: kept the model (%s) as it is: %s",
+                        type(model).__name__, reason)
+            return model
+        return Float8Linear.from_linear(model, config)
+    swaps, skips = _plan(model, module_filter)
+    for parent, name, linear in swaps:
+        setattr(parent, name, Float8Linear.from_linear(linear, config))
+    for fqn, reason in skips:
+        logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
+    logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
+                len(swaps), config.short, len(skips))
+    return model

@@ -1,0 +1,316 @@
+"""Float8Linear: an nn.Linear whose three matmuls run in fp8 with fp32 accumulation.
+
+Forward ``out = x @ W^T``, grad-input ``gx = g @ W`` and grad-weight ``gW = g^T @ x``
+all go through one helper, :func:`fp8_mm`, which either calls ``torch._scaled_mm``
+(fp8 tensor cores) or emulates it: the fp8 operands are widened to fp32, multiplied
+in fp32 and the product is scaled, which is the tensor cores' arithmetic (fp8
+products are exact in fp32) up to summation order. Every numerics test therefore runs
+on CPU.
+
+The high-precision weight stays the nn.Parameter; fp8 copies live only inside a step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from .._dtypes import fp8_supported
+from .config import Float8Config, Recipe
+from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
+
+_INPUT, _WEIGHT, _GRAD = 0, 1, 2
+_ROLE_NAMES = ("input", "weight", "grad_output")
+_emulation_warned: set = set()
+_INTERNAL = (os.path.join("ampkit", ""), os.path.join("torch", "nn", ""))
+
+
+def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
+    """Why a linear layer cannot run in fp8 (None when it can).
+
+    fp8 GEMMs need every dimension that is a GEMM's K or N (in the forward and both
+    backward matmuls: in_features and out_features) to be a multiple of 16.
+    """
+    if in_features % 16 or out_features % 16:
+        return (f"in_features={in_features} and out_features={out_features} must both "
+                f"be multiples of 16 for fp8 GEMMs")
+    return None
+
+
+def fp8_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, native: bool,
+           fast_accum: bool = False) -> Tensor:
+    """``a @ b`` of two fp8 tensors, accumulated in fp32 and scaled, as ``out_dtype``.
+
+    Args:
+        a: left operand (M, K); scale 0-dim or (M, 1).
+        b: right operand (K, N); scale 0-dim or (1, N).
+        out_dtype: dtype of the result.
+        native: call ``torch._scaled_mm`` (fp8 tensor cores) instead of emulating.
+        fast_accum: Hopper's fast fp8 accumulation (native path only).
+
+    Returns:
+        The (M, N) product.
+
+    Example:
+        >>> q = quantize(torch.eye(16) * 3.5, E4M3)  # scale 128: exact round trip
+        >>> fp8_mm(q, q, torch.float32, native=False).equal(torch.eye(16) * 12.25)
+        True
+    """
+    # torch._scaled_mm's per-row kernel only writes bf16, so rowwise GEMMs round to bf16
+    # on both paths: the emulation keeps the tensor cores' numerics.
+    gemm_dtype = torch.bfloat16 if a.inv_scale.dim() == 2 else out_dtype
+    if native:
+        out = _scaled_mm(a, b, gemm_dtype, fast_accum)
+    else:
+        # Scales applied to the fp32 accumulator, as the GEMM epilogue does.
+        out = torch.mm(a.data.float(), b.data.float()) * (a.inv_scale * b.inv_scale)
+        out = out.to(gemm_dtype)
+    return out.to(out_dtype)
+
+
+def _scaled_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
+    a_data, b_data = _gemm_layout(a.data, b.data)
+    out = torch._scaled_mm(a_data, b_data, scale_a=a.inv_scale, scale_b=b.inv_scale,
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
+    # torch <= 2.4 returned (out, amax); later versions return the tensor alone.
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _gemm_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Operands in the only layout fp8 cuBLASLt GEMMs take: A row-major, B column-major.
+
+    K must also be a multiple of 16; in grad-weight K is the number of rows of the
+    batch, so it is zero-padded there (zeros add nothing to the product).
+
+    Layout costs per step (tensorwise): the forward's ``W^T`` is a free view of the
+    row-major fp8 weight (already column-major); grad-input needs W itself column-major
+    and grad-weight needs ``g^T`` row-major and ``x`` column-major, i.e. one transposed
+    copy each of three fp8 tensors (1 byte read + 1 written per element), which is far
+    cheaper than casting the high-precision tensors again (an amax pass, then a cast).
+    """
+    pad = -a.shape[1] % 16
+    if pad == 0:
+        return a.contiguous(), b.t().contiguous().t()
+    a_pad = a.new_zeros(a.shape[0], a.shape[1] + pad)
+    a_pad[:, : a.shape[1]] = a
+    bt_pad = b.new_zeros(b.shape[1], b.shape[0] + pad)
+    bt_pad[:, : b.shape[0]] = b.t()
+    return a_pad, bt_pad.t()
+
+
+class _CastState(NamedTuple):
+    """What one step's casts need: the recipe, delayed histories, warm-up flag."""
+
+    config: Float8Config
+    histories: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]
+    warmup: bool
+
+
+def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
+    """The one fp8 cast of this module: ``t`` as operand ``role`` per the recipe.
+
+    ``dim`` is the contraction dimension; only the rowwise recipe scales along it.
+    """
+    config = state.config
+    if config.recipe is Recipe.ROWWISE:
+        return quantize(t, E4M3, dim=dim, margin=config.margin)
+    dtype = E5M2 if role == _GRAD else E4M3
+    history = state.histories[role]
+    if history is None:
+        return quantize(t, dtype, margin=config.margin)
+    return quantize_delayed(t, dtype, history, algo=config.amax_compute_algo,
+                            margin=config.margin, warmup=state.warmup)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """``x @ W^T`` with fp8 operands in forward and both backward matmuls."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, config: Float8Config, native: bool,  # type: ignore[override]
+                out_dtype: torch.dtype, warmup: bool, h_in: Optional[Tensor],
+                h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
+        state = _CastState(config, (h_in, h_w, h_g), warmup)
+        with torch.autocast(x.device.type, enabled=False):  # our fp32 math stays fp32
+            x_q = _cast(x, _INPUT, -1, state)
+            w_q = _cast(weight, _WEIGHT, -1, state)
+            out = fp8_mm(x_q, w_q.t(), out_dtype, native, config.output_fast_accum)
+        if config.recipe is Recipe.ROWWISE:
+            # Backward needs per-column scales of x and W: cast again from high precision.
+            ctx.save_for_backward(x, weight)
+        else:
+            # Per-tensor scales do not depend on the layout: backward reuses these casts.
+            ctx.save_for_backward(x_q.data, x_q.inv_scale, w_q.data, w_q.inv_scale)
+        ctx.state, ctx.native = state, native
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        state, native = ctx.state, ctx.native
+        x_dtype, w_dtype = ctx.dtypes
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g_rows = _cast(grad_out, _GRAD, -1, state)
+            if state.config.recipe is Recipe.ROWWISE:
+                x, weight = ctx.saved_tensors
+                w_b = _cast(weight, _WEIGHT, 0, state)
+                g_t = _cast(grad_out, _GRAD, 0, state).t()
+                x_b = _cast(x, _INPUT, 0, state)
+            else:
+                x_data, x_inv, w_data, w_inv = ctx.saved_tensors
+                w_b, g_t, x_b = Fp8(w_data, w_inv), g_rows.t(), Fp8(x_data, x_inv)
+            grad_x = fp8_mm(g_rows, w_b, x_dtype, native) if ctx.needs_input_grad[0] else None
+            grad_w = fp8_mm(g_t, x_b, w_dtype, native) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def _output_dtype(x: Tensor) -> torch.dtype:
+    """The autocast dtype inside an autocast region of x's device, else x's dtype."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _warn_emulation_once(device: torch.device) -> None:
+    if device.type in _emulation_warned or device.type == "meta":
+        return
+    _emulation_warned.add(device.type)
+    warnings.warn(f"ampkit.fp8: no fp8 tensor cores on {device.type!r}; Float8Linear emulates "
+                  "fp8 matmuls there (same numerics, no speed-up). Pass "
+                  "Float8Config(emulate=True) to silence this.", stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside ampkit and torch.nn."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class Float8Linear(nn.Linear):
+    """An nn.Linear whose forward and backward matmuls run in fp8.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for nn.Linear
+            (both feature counts multiples of 16).
+        config: a :class:`Float8Config` or a recipe name ("tensorwise", "delayed",
+            "rowwise").
+
+    The output is in the autocast dtype inside an autocast region, else in the input's
+    dtype; gradients come back in the input's and the weight's dtypes. The delayed
+    recipe keeps its amax histories in non-persistent buffers, so ``state_dict`` holds
+    exactly nn.Linear's ``weight`` and ``bias``.
+
+    Example:
+        >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))
+        >>> layer(torch.randn(4, 32)).shape
+        torch.Size([4, 16])
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: Optional[Union[str, torch.device]] = None,
+                 dtype: Optional[torch.dtype] = None, *,
+                 config: Union[Float8Config, Recipe, str] = Recipe.TENSORWISE) -> None:
+        config = Float8Config.coerce(config)
+        reason = check_fp8_dims(in_features, out_features)
+        if reason is not None:
+            raise ValueError(f"Float8Linear({in_features}, {out_features}): {reason}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config
+        self._reset_fp8_state()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear,
+                    recipe: Union[Float8Config, Recipe, str] = Recipe.TENSORWISE) -> "Float8Linear":
+        """A Float8Linear that shares ``linear``'s weight and bias Parameters.
+
+        The Parameters are the same objects, so an optimizer built before the swap keeps
+        working and tied weights stay tied. Hooks registered on ``linear`` do not move.
+
+        Example:
+            >>> Float8Linear.from_linear(nn.Linear(32, 16), "rowwise").config.recipe.value
+            'rowwise'
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Float8Linear.from_linear needs an nn.Linear, got "
+                            f"{type(linear).__name__}; valid: torch.nn.Linear and its subclasses")
+        config = Float8Config.coerce(recipe)
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device="meta", dtype=linear.weight.dtype, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._reset_fp8_state()
+        return new
+
+    def _reset_fp8_state(self) -> None:
+        """(Re)create the delayed histories on the weight's device; forget the backend."""
+        delayed = self.config.recipe is Recipe.DELAYED
+        for name in _ROLE_NAMES:
+            history = (torch.zeros(self.config.amax_history_len, dtype=torch.float32,
+                                   device=self.weight.device) if delayed else None)
+            self.register_buffer(f"amax_history_{name}", history, persistent=False)
+        self._delayed_started = False
+        self._backend_device: Optional[torch.device] = None
+        self._native = False
+        self._resolve_backend()
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # .to()/.cuda()/.half() land here: decide the backend for the new device now,
+        # in eager code, so a compiled forward only reads a Python bool.
+        result = super()._apply(fn, recurse)
+        self._resolve_backend()
+        return result
+
+    def _resolve_backend(self) -> bool:
+        """Whether this layer calls torch._scaled_mm: decided once per weight device."""
+        device = self.weight.device
+        if device != self._backend_device:
+            self._native = self.config.emulate is not True and fp8_supported(str(device))
+            self._backend_device = device
+            # Dynamo cannot trace warnings.warn; resolution normally happens in eager
+            # code anyway (construction, .to(), the first eager forward).
+            if not self._native and self.config.emulate is None and not torch.compiler.is_compiling():
+                _warn_emulation_once(device)
+        return self._native
+
+    def _use_scaled_mm(self) -> bool:
+        native = self._resolve_backend()
+        if not native and self.config.emulate is False:
+            raise RuntimeError(f"Float8Config(emulate=False) needs fp8 tensor cores, but "
+                               f"{self.weight.device} has none; valid: emulate=None or True there")
+        return native
+
+    def _warmup_step(self) -> bool:
+        # The delayed recipe's first training step scales by the current amax (its
+        # histories are still empty); a Python flag, so torch.compile recompiles once
+        # instead of branching on a device value.
+        if self.config.recipe is not Recipe.DELAYED or self._delayed_started:
+            return False
+        if torch.is_grad_enabled():
+            self._delayed_started = True
+        return True
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Float8Linear expected inputs with last dimension "
+                             f"{self.in_features}, got shape {tuple(x.shape)}")
+        native = self._use_scaled_mm()
+        histories = (self.amax_history_input, self.amax_history_weight,
+                     self.amax_history_grad_output)
+        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.config,
+                                 native, _output_dtype(x), self._warmup_step(), *histories)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        grad = "e4m3" if self.config.recipe is Recipe.ROWWISE else "e5m2"
+        return f"{super().extra_repr()}, recipe={self.config.short}, x/w=e4m3, grad={grad}"

@@ -1,0 +1,159 @@
+"""FP8 scaling: amax, scales, saturating casts, and the delayed-scaling amax history.
+
+Conventions. A *scale* multiplies a high-precision tensor into the fp8 range
+(``fp8 = saturate(x * scale)``); the quantised tensor keeps its *inverse* scale, which
+is what ``torch._scaled_mm`` multiplies its fp32 accumulator by. Scales are fp32 device
+tensors: nothing here reads a value back to the host, so no function syncs.
+
+Scales are per tensor (0-dim) or per row/column (a ``keepdim`` amax over the
+contraction dimension: ``(M, 1)`` for a left operand, ``(1, N)`` for a right one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .config import AmaxComputeAlgo
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
+# amax is clamped to at least this before dividing, so a tiny (but non-zero) amax gives a
+# large finite scale (448 / 1e-12 ~ 4.5e14, far below fp32's 3.4e38) instead of inf.
+AMAX_EPS = 1e-12
+
+
+class Fp8(NamedTuple):
+    """An fp8 tensor and the fp32 inverse scale that dequantises it."""
+
+    data: Tensor
+    inv_scale: Tensor
+
+    def t(self) -> "Fp8":
+        """The transpose (a per-row scale becomes a per-column one)."""
+        inv = self.inv_scale.t() if self.inv_scale.dim() == 2 else self.inv_scale
+        return Fp8(self.data.t(), inv)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8 dtype {dtype} is not supported; valid: {E4M3}, {E5M2}")
+    return float(torch.finfo(dtype).max)
+
+
+def compute_amax(x: Tensor, dim: Optional[int] = None) -> Tensor:
+    """The fp32 absolute maximum of ``x``: 0-dim, or ``keepdim`` over ``dim``.
+
+    Example:
+        >>> compute_amax(torch.tensor([[1., -3.], [2., 0.]]), dim=1).flatten().tolist()
+        [3.0, 2.0]
+    """
+    if dim is None:
+        return x.abs().amax().float()
+    return x.abs().amax(dim=dim, keepdim=True).float()
+
+
+def amax_to_scale(amax: Tensor, dtype: torch.dtype, margin: int = 0) -> Tensor:
+    """The scale that maps ``amax`` to the fp8 format's largest value, ``2**margin`` lower.
+
+    An amax of exactly zero (an all-zero tensor, or a delayed history that has seen
+    nothing yet) gives scale 1: any scale represents zeros exactly, and 1 is the
+    neutral start Transformer Engine uses too.
+
+    Example:
+        >>> amax_to_scale(torch.tensor(2.0), E4M3).item()
+        224.0
+    """
+    amax = amax.float()
+    scale = fp8_max(dtype) / amax.clamp(min=AMAX_EPS)
+    if margin:
+        scale = scale / (2.0 ** margin)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def saturated_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x * scale`` cast to fp8 with out-of-range values clamped to +-max (not inf/NaN).
+
+    The product is formed in fp32 whatever ``x``'s dtype, so an fp16 input with a large
+    scale does not overflow before the clamp. NaN stays NaN (clamp keeps it), so a
+    GradScaler still sees non-finite gradients.
+    """
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def quantize(x: Tensor, dtype: torch.dtype, *, dim: Optional[int] = None, margin: int = 0,
+             scale: Optional[Tensor] = None) -> Fp8:
+    """Quantise ``x`` to fp8 with a dynamic scale (from its amax) or a given one.
+
+    Args:
+        x: the high-precision tensor.
+        dtype: E4M3 or E5M2.
+        dim: None for one scale per tensor; else the dimension the amax reduces over
+            (per-row scales of a left operand: ``dim=-1``; per-column of a right: 0).
+        margin: see :func:`amax_to_scale`.
+        scale: use this scale and skip the amax pass (delayed scaling).
+
+    Returns:
+        The fp8 data and its inverse scale.
+
+    Example:
+        >>> q = quantize(torch.tensor([1.0, -4.0]), E4M3)
+        >>> q.data.float().mul(q.inv_scale).tolist()
+        [1.0, -4.0]
+    """
+    if scale is None:
+        scale = amax_to_scale(compute_amax(x, dim), dtype, margin)
+    return Fp8(saturated_cast(x, scale, dtype), scale.reciprocal())
+
+
+def dequantize(q: Fp8, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The high-precision value an fp8 tensor stands for."""
+    return (q.data.float() * q.inv_scale).to(dtype)
+
+
+def update_history(history: Tensor, amax: Tensor) -> None:
+    """Roll the amax history one step in place: ``history[0]`` becomes ``amax``.
+
+    In place so the history can be a module buffer updated inside torch.compile'd
+    forward and backward graphs (no Python-side state, no host sync).
+    """
+    with torch.no_grad():
+        rolled = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
+        history.copy_(rolled)
+
+
+def history_amax(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
+    """The amax a delayed cast scales by: the history's max or its most recent entry."""
+    if algo is AmaxComputeAlgo.MOST_RECENT:
+        return history[0]
+    return history.amax()
+
+
+def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
+                     algo: AmaxComputeAlgo, margin: int = 0, warmup: bool = False) -> Fp8:
+    """Quantise with the scale from ``history``, then push ``x``'s amax into it.
+
+    The cast does not wait for ``x``'s amax: under torch.compile the amax reduction is a
+    by-product of the same pass that casts, instead of a separate pass before it.
+
+    Args:
+        x: the high-precision tensor (one scale for the whole tensor).
+        dtype: E4M3 or E5M2.
+        history: fp32 amax history (newest first), updated in place.
+        algo: how the history becomes an amax.
+        margin: see :func:`amax_to_scale`.
+        warmup: scale by ``x``'s own amax (the first step, when the history is empty).
+
+    Returns:
+        The fp8 data and its inverse scale.
+    """
+    amax = compute_amax(x)
+    source = amax if warmup else history_amax(history, algo)
+    q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
+    update_history(history, amax)
+    return q
