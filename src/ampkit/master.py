@@ -15,6 +15,7 @@ one consistent sum.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -23,9 +24,10 @@ import torch
 from torch import Tensor
 
 _ATTR = "_ampkit_master_weights"
-# id(model param) -> (weak ref to it, its master): lets convert.py's state_dict hooks save
-# and load the fp32 masters in place of the half params, so checkpoints resume bitwise.
-_REGISTRY: dict[int, tuple[weakref.ref, Tensor]] = {}
+# id(model param) -> (weak ref to it, its master, weak ref to the MasterWeights owning it):
+# lets convert.py's state_dict hooks save and load the fp32 masters in place of the half
+# params (checkpoints resume bitwise), and a later initialize release an earlier one's hooks.
+_REGISTRY: dict[int, tuple[weakref.ref, Tensor, weakref.ref]] = {}
 
 
 def master_of(param: Tensor) -> Optional[Tensor]:
@@ -36,9 +38,27 @@ def master_of(param: Tensor) -> Optional[Tensor]:
     return entry[1]
 
 
-def _register(param: Tensor, master: Tensor) -> None:
+def release_masters(params: Iterable[Tensor]) -> int:
+    """Detach the gradient hooks of every MasterWeights that adopted one of ``params``.
+
+    ``initialize`` calls it before giving a model new masters, so an earlier call's hooks
+    stop taking the gradients. Returns how many MasterWeights were released.
+    """
+    owners: dict[int, MasterWeights] = {}
+    for param in params:
+        entry = _REGISTRY.get(id(param))
+        owner = entry[2]() if entry is not None and entry[0]() is param else None
+        if owner is not None:
+            owners[id(owner)] = owner
+    for owner in owners.values():
+        owner.remove()
+    return len(owners)
+
+
+def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
     key = id(param)
-    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), master)
+    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), master,
+                      weakref.ref(owner))
 
 
 class MasterWeights:
@@ -51,7 +71,8 @@ class MasterWeights:
         self._master_of: dict[int, Tensor] = {}
         self._hooks: list[Any] = []
         self._inv_scale: Optional[Tensor] = None
-        self._original_step: Optional[Callable[..., Any]] = None
+        # (model params, masters) per (device, dtype), built once for the foreach copies.
+        self._copy_groups: Optional[list[tuple[list[Tensor], list[Tensor]]]] = None
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -68,7 +89,8 @@ class MasterWeights:
         self.model_params.append(param)
         self.master_params.append(master)
         self._master_of[id(param)] = master
-        _register(param, master)
+        _register(param, master, self)
+        self._copy_groups = None
         if param.requires_grad:
             self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_hook(master)))
         return master
@@ -118,13 +140,26 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """Copy every master into its model parameter: one foreach copy per (device, dtype)."""
-        groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
-        for param, master in zip(self.model_params, self.master_params):
-            dst, src = groups[(param.device, param.dtype)]
-            dst.append(param)
-            src.append(master)
-        for dst, src in groups.values():
+        if self._copy_groups is None:
+            groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+            for param, master in zip(self.model_params, self.master_params):
+                dst, src = groups[(param.device, param.dtype)]
+                dst.append(param)
+                src.append(master)
+            self._copy_groups = list(groups.values())
+        for dst, src in self._copy_groups:
             torch._foreach_copy_(dst, src)
+
+    @property
+    def grads_unscaled(self) -> bool:
+        """True when the master grads were unscaled (``note_unscaled``) since the last clear."""
+        return self._inv_scale is not None
+
+    def clear_master_grads(self) -> None:
+        """Drop the master gradients (they are consumed by the step, as apex did)."""
+        for master in self.master_params:
+            master.grad = None
+        self._inv_scale = None
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
@@ -146,7 +181,9 @@ class MasterWeights:
             handle.remove()
         self._hooks.clear()
         for param in self.model_params:
-            _REGISTRY.pop(id(param), None)
+            entry = _REGISTRY.get(id(param))
+            if entry is not None and entry[2]() is self:
+                del _REGISTRY[id(param)]
 
 
 def master_weights_of(optimizer: Any) -> Optional[MasterWeights]:
@@ -184,25 +221,29 @@ def _wrap_methods(optimizer: torch.optim.Optimizer, mw: MasterWeights) -> None:
     zero_grad = optimizer.zero_grad
     add_param_group = optimizer.add_param_group
 
-    def master_step(*args: Any, **kwargs: Any) -> Any:
+    def master_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         mw.sync_grads()
         result = step(*args, **kwargs)
         mw.copy_to_model()
+        # The masters' grads are consumed: cleared here as apex did, so code that zeroes
+        # only the model's grads (model.zero_grad()) does not accumulate into the masters.
+        mw.clear_master_grads()
         return result
 
-    def master_zero_grad(set_to_none: bool = True) -> None:
+    def master_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         zero_grad(set_to_none=set_to_none)
         mw.zero_model_grads(set_to_none)
         mw.note_unscaled(None)
 
-    def master_add_param_group(group: dict) -> None:
+    def master_add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
         params = group["params"]
         group = dict(group, params=[params] if torch.is_tensor(params) else list(params))
         mw.adopt_param_groups([group])
         add_param_group(group)
 
-    # Keep the optimizer's attributes the fused path looks at (_step_supports_amp_scaling).
+    # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     master_step.__wrapped__ = step  # type: ignore[attr-defined]
-    optimizer.step = master_step  # type: ignore[method-assign]
-    optimizer.zero_grad = master_zero_grad  # type: ignore[method-assign]
-    optimizer.add_param_group = master_add_param_group  # type: ignore[method-assign]
+    optimizer.step = types.MethodType(master_step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(master_zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
+        master_add_param_group, optimizer)

@@ -1,0 +1,178 @@
+"""convert.py: model casting, forward input/output casts, autocast region, fp32 state dicts."""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
+                            convert_model, remove_conversion)
+from ampkit.master import attach_master_weights
+from conftest import DEVICES, HALF_DTYPES
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: object
+
+
+def _net(device: str = "cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(device)
+
+
+def _hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_hooks)
+               + len(m._load_state_dict_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_cast_floating_nested_structures(dtype):
+    x, i = torch.ones(2), torch.ones(2, dtype=torch.int64)
+    tree = {"list": [x, (x.double(), i)], "pair": Pair(x, "s"), 3: None,
+            "od": collections.OrderedDict(y=x)}
+    out = cast_floating(tree, dtype)
+    assert out["list"][0].dtype == dtype and out["list"][1][0].dtype == dtype
+    assert out["list"][1][1] is i  # integer tensors pass through
+    assert isinstance(out["list"][1], tuple) and isinstance(out["pair"], Pair)
+    assert out["pair"].a.dtype == dtype and out["pair"].b == "s" and out[3] is None
+    assert type(out["od"]) is collections.OrderedDict and out["od"]["y"].dtype == dtype
+    same = torch.ones(2, dtype=dtype)
+    assert cast_floating(same, dtype) is same  # no copy when already in dtype
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_cast_model_keeps_batchnorm_fp32_and_param_identity(dtype):
+    model = _net()
+    params = list(model.parameters())
+    model[0].weight.grad = torch.ones(4, 4)
+    assert cast_model(model, dtype) is model
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    assert model[0].weight.dtype == dtype and model[0].weight.grad.dtype == dtype
+    assert model[2].bias.dtype == dtype
+    bn = model[1]
+    assert bn.weight.dtype == bn.running_mean.dtype == bn.running_var.dtype == torch.float32
+    assert bn.num_batches_tracked.dtype == torch.int64
+    cast_model(model, dtype, keep_fp32=())
+    assert bn.weight.dtype == bn.running_var.dtype == dtype
+    assert bn.num_batches_tracked.dtype == torch.int64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_forward_casts_inputs_and_outputs(device, dtype):
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.seen: list[torch.dtype] = []
+
+        def forward(self, xs, *, extra):
+            self.seen = [xs[0].dtype, extra["z"].dtype]
+            return {"out": self.lin(xs[0]) + extra["z"], "n": xs[1]}
+
+    model = TwoInputs().to(device)
+    handle = convert_model(model, param_dtype=dtype, casts=ForwardCasts(dtype, torch.float32))
+    x, n = torch.randn(2, 3, device=device), torch.arange(2, device=device)
+    out = model([x, n], extra={"z": torch.randn(2, 3, device=device)})
+    assert model.seen == [dtype, dtype]
+    assert out["out"].dtype == torch.float32 and out["n"] is n
+    assert "forward" not in model.__dict__  # hooks, not a replaced forward
+    handle.remove()
+    assert _hook_count(model) == 0 and conversion_of(model) is None
+    assert model([x.to(dtype), n], extra={"z": x.to(dtype)})["out"].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_autocast_region_entered_and_left_even_when_forward_raises(dtype):
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.fail = False
+            self.inner: list[object] = []
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.inner = [torch.is_autocast_enabled("cpu"), y.dtype]
+            if self.fail:
+                raise RuntimeError("boom")
+            return y
+
+    model = Probe()
+    convert_model(model, casts=ForwardCasts(output_dtype=torch.float32,
+                                            autocast=lambda: torch.autocast("cpu", dtype)))
+    out = model(torch.ones(1, 2))
+    assert model.inner == [True, dtype] and out.dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")
+    model.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 2))
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_autocast_region_nests_in_recursive_calls():
+    inner = nn.Linear(2, 2)
+    outer = nn.Sequential(inner)
+    region = ForwardCasts(autocast=lambda: torch.autocast("cpu", torch.bfloat16))
+    convert_model(inner, casts=region)
+    convert_model(outer, casts=region)
+    assert outer(torch.ones(1, 2)).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_converting_again_replaces_the_earlier_hooks():
+    model = _net()
+    casts = ForwardCasts(torch.bfloat16, torch.float32,
+                         autocast=lambda: torch.autocast("cpu", torch.bfloat16))
+    first = convert_model(model, param_dtype=torch.bfloat16, casts=casts)
+    count = _hook_count(model)
+    second = convert_model(model, param_dtype=torch.bfloat16, casts=casts)
+    assert _hook_count(model) == count and first.handles == [] and conversion_of(model) is second
+    remove_conversion(model)
+    assert _hook_count(model) == 0
+    remove_conversion(model)  # a no-op without a conversion
+
+
+def test_fp32_model_gets_no_state_dict_hooks():
+    model = _net()
+    convert_model(model, param_dtype=torch.float32)
+    assert _hook_count(model) == 0
+    assert model[0].weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_state_dict_is_fp32_for_a_half_model(dtype):
+    model = _net()
+    convert_model(model, param_dtype=dtype, keep_fp32=())
+    state = model.state_dict()
+    assert {k: v.dtype for k, v in state.items()} == {
+        k: (torch.int64 if k.endswith("num_batches_tracked") else torch.float32) for k in state}
+    assert torch.equal(state["0.weight"], model[0].weight.float())
+    assert model[0].state_dict()["weight"].dtype == torch.float32  # a submodule's too
+    fresh = _net()
+    fresh.load_state_dict(state)  # loads into an fp32 model
+    assert torch.equal(fresh[0].weight, model[0].weight.float())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_state_dict_saves_and_loads_the_fp32_masters(dtype):
+    model = _net()
+    convert_model(model, param_dtype=dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    masters = attach_master_weights(optimizer)
+    with torch.no_grad():
+        masters.master_params[0].add_(1e-4)  # a value the half param cannot hold exactly
+    state = model.state_dict()
+    assert torch.equal(state["0.weight"], masters.master_params[0])
+    assert not torch.equal(state["0.weight"], model[0].weight.float())
+    loaded = {k: v.clone() + (0.5 if v.is_floating_point() else 0) for k, v in state.items()}
+    model.load_state_dict(loaded)
+    for key, master in (("0.weight", masters.master_params[0]), ("2.bias", masters.master_params[-1])):
+        assert torch.equal(master, loaded[key])
+    assert torch.equal(model[0].weight, loaded["0.weight"].to(dtype))
+    assert torch.equal(model[1].weight, loaded["1.weight"])  # kept fp32: no master
