@@ -1,0 +1,792 @@
+"""Dynamic loss scaling: a drop-in superset of ``torch.amp.GradScaler``.
+
+Same methods, arguments, defaults, errors and state_dict keys as torch's scaler, and
+bitwise the same parameters and scales over a training run. Beyond torch:
+``min_scale``/``max_scale`` bounds (the scale never becomes 0 or inf), ``hysteresis``
+(back off only after several overflows in a row), ``process_group`` (all ranks see one
+found-inf and skip together), fp16 gradients (pure-half models, and fp32 master weights
+from ``ampkit.initialize``), ``stats()`` and ``last_step_skipped``.
+
+Host syncs: none in ``scale``/``unscale_``/``update``; one per optimizer in ``step`` with
+a plain optimizer (it must know on the host whether to call ``optimizer.step``); none
+with fused optimizers (``_step_supports_amp_scaling``), which read ``found_inf`` on the
+device. ``get_scale``, ``stats``, ``state_dict`` and ``last_step_skipped`` read device
+values and so sync (``last_step_skipped`` only when no plain ``step`` already did).
+
+Shared with ``ampkit.frontend`` (private, but a stable seam): :func:`unscale_grads_`,
+:meth:`GradScaler._inverse_scale`, :meth:`GradScaler._lazy_init_scale_growth_tracker`
+and :meth:`GradScaler._apply_update`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import warnings
+import weakref
+from collections import abc, defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+# torch's own enum objects, so code that inspects ``_per_optimizer_states`` stages keeps working.
+from torch.amp.grad_scaler import OptState
+
+from ._dtypes import check_device_type
+from ._state import inferred_device_type
+from .master import master_weights_of
+
+__all__ = ["GradScaler", "ScalerStats", "OptState", "unscale_grads_"]
+
+# Bounds of the scale when none are given. Below the smallest normal float32 the fp32
+# reciprocal 1/scale overflows to inf (1/2**-127 > float32 max), so unscaling would
+# turn every gradient into inf or NaN; above float32's max the scale itself is inf.
+_F32_TINY = torch.finfo(torch.float32).tiny
+_F32_MAX = torch.finfo(torch.float32).max
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+class _ArgumentError(ValueError, AssertionError):
+    """A bad argument: a ValueError, and also the AssertionError torch raises there."""
+
+
+class _StateError(RuntimeError, AssertionError):
+    """A call out of order: a RuntimeError, and also the AssertionError torch raises there."""
+
+
+@dataclass(frozen=True)
+class ScalerStats:
+    """A snapshot of a GradScaler: its scale and step counters.
+
+    Attributes:
+        scale: the current loss scale.
+        steps: ``update()`` calls that consumed inf checks (one per training iteration).
+        skipped_steps: of those, the iterations that found an inf/NaN and skipped the step.
+        consecutive_skips: overflowing iterations in a row up to now (0 after a clean one).
+
+    Example: ``scaler.stats().skipped_steps / max(1, scaler.stats().steps)``.
+    """
+
+    scale: float
+    steps: int
+    skipped_steps: int
+    consecutive_skips: int
+
+
+# --- argument checks ----------------------------------------------------------------------
+def _real(name: str, value: Any, valid: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in {valid}, got "
+                        f"{type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _in_range(name: str, value: Any, low: float, high: float, *,
+              low_open: bool, high_open: bool = False) -> float:
+    valid = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    number = _real(name, value, valid)
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if math.isnan(number) or too_low or too_high:
+        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: {valid}")
+    return number
+
+
+def _count(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers >= {low}")
+    return int(value)
+
+
+def _growth_factor(value: Any) -> float:
+    return _in_range("growth_factor", value, 1.0, math.inf, low_open=True, high_open=True)
+
+
+def _backoff_factor(value: Any) -> float:
+    return _in_range("backoff_factor", value, 0.0, 1.0, low_open=True, high_open=True)
+
+
+def _bound(name: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    return _in_range(name, value, _F32_TINY, _F32_MAX, low_open=False)
+
+
+def _bounds(min_scale: Any, max_scale: Any) -> tuple[Optional[float], Optional[float]]:
+    low, high = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"min_scale={min_scale!r} is greater than max_scale={max_scale!r}; "
+                         f"valid: min_scale <= max_scale")
+    return low, high
+
+
+def _infer_device() -> str:
+    """The device type used when none is given: the active initialize's, else cuda/cpu."""
+    return inferred_device_type()
+
+
+def _device_type(device: Any) -> str:
+    if device is None:
+        return _infer_device()
+    if isinstance(device, torch.device):
+        return device.type
+    return check_device_type(device)
+
+
+# --- the fused unscale, shared with ampkit.frontend ---------------------------------------
+def _dense_values(grad: Tensor) -> Tensor:
+    """The tensor to unscale for a gradient: its values when sparse."""
+    if not grad.is_sparse:
+        return grad
+    if grad.dtype is torch.float16 and not grad.is_coalesced():
+        # Duplicate indices are summed when the grad is used; summing them while still
+        # scaled can overflow fp16, so coalesce first (in place: param.grad stays this tensor).
+        grad.copy_(grad.coalesce())
+    return grad._values()
+
+
+def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    except NotImplementedError:
+        # A sparse grad in the list sends the whole call to the sparse backend, which has
+        # no kernel; the dispatch fails before any tensor is touched, so retry on values.
+        if not any(g.is_sparse for g in grads):
+            raise
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [_dense_values(g) for g in grads], found_inf, inv_scale)
+
+
+def _unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
+                        found_inf: Tensor) -> dict[torch.device, Tensor]:
+    """Check and unscale ``grads`` in place; return the found-inf flag of each device."""
+    found_per_device: dict[torch.device, Tensor] = {}
+    inv_per_device: dict[torch.device, Tensor] = {}
+    if not grads:
+        return found_per_device
+    # Grouped in C++ (one pass, no Python work per gradient); one kernel per (device, dtype).
+    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    with torch.no_grad():
+        for (device, _dtype), ((group, *_), _indices) in groups.items():
+            if device not in found_per_device:
+                found_per_device[device] = (found_inf if device == found_inf.device
+                                            else torch.zeros((), dtype=torch.float32, device=device))
+                inv_per_device[device] = inv_scale.to(device, non_blocking=True)
+            _check_and_unscale(group, found_per_device[device], inv_per_device[device])
+    return found_per_device
+
+
+def _fold_into(found_inf: Tensor, found_per_device: dict[torch.device, Tensor]) -> None:
+    for found in found_per_device.values():
+        if found is not found_inf:
+            # A device-to-device copy is async; a copy to the CPU must complete first.
+            found_inf.add_(found.to(found_inf.device, non_blocking=found_inf.device.type != "cpu"))
+
+
+def unscale_grads_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    """Multiply gradients by ``inv_scale`` in place and flag any inf/NaN in ``found_inf``.
+
+    Shared with ``ampkit.frontend``. One fused kernel per (device, dtype) group; fp32,
+    fp16 and bf16 gradients alike (half gradients are multiplied in fp32 and rounded
+    back, so tiny values can flush to zero). Sparse gradients have their values unscaled.
+    No host sync.
+
+    Args:
+        grads: gradients on any devices and floating dtypes.
+        inv_scale: 1-element float32 tensor, e.g. ``scaler._inverse_scale()``.
+        found_inf: 1-element float32 tensor (on the scale's device); it is set non-zero if
+            any gradient holds an inf or NaN and is never reset, so it accumulates.
+
+    Example::
+
+        found_inf = torch.zeros((), device=scaler._scale.device)
+        unscale_grads_([p.grad for p in params], scaler._inverse_scale(), found_inf)
+        scaler._apply_update(found_inf)
+    """
+    _fold_into(found_inf, _unscale_per_device(grads, inv_scale, found_inf))
+
+
+def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None]
+
+
+def _refresh_per_optimizer_state() -> dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+# Whether an optimizer's step takes the deprecated ``grad_scaler`` keyword, per function:
+# inspect.signature costs tens of microseconds, too much to pay on every step.
+_TAKES_GRAD_SCALER: "weakref.WeakKeyDictionary[Callable, bool]" = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step: Callable) -> bool:
+    func = getattr(step, "__func__", step)
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):
+        takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:  # not weak-referenceable: just not cached
+        pass
+    return takes
+
+
+class GradScaler:
+    """Dynamic loss scaling, drop-in for ``torch.amp.GradScaler`` with bounds and hysteresis.
+
+    Each iteration: ``scale(loss).backward()``, optionally ``unscale_(optimizer)`` (to clip
+    or inspect gradients), ``step(optimizer)`` (skipped when a gradient holds an inf/NaN),
+    then ``update()``: after an overflow the scale is multiplied by ``backoff_factor``,
+    after ``growth_interval`` clean iterations in a row by ``growth_factor``.
+
+    Args:
+        device: device type ("cuda", "cpu", ...); None infers it like ``ampkit.autocast``.
+            Like torch, "cuda" on a machine without CUDA warns and disables the scaler.
+        init_scale: first scale, in (0, float32 max]; clamped into [min_scale, max_scale].
+        growth_factor: > 1. backoff_factor: in (0, 1). growth_interval: int >= 1.
+        enabled: False makes every method a no-op (``step`` just calls ``optimizer.step``).
+        min_scale, max_scale: bounds of the scale (default: the normal float32 range, so the
+            scale and its reciprocal are always finite and non-zero).
+        hysteresis: back off only on the ``hysteresis``-th overflowing iteration in a row
+            and on every further one in that run; earlier ones are skipped without backing
+            off. A clean iteration resets the count. 1 is torch's rule.
+        process_group: a torch.distributed group; found-inf is all-reduced (summed) over it
+            before the skip decision, so all ranks skip together (sharded gradients).
+            Not pickled: set ``scaler.process_group`` again after unpickling.
+
+    Example::
+
+        scaler = GradScaler(min_scale=1.0, hysteresis=2)
+        with ampkit.autocast():
+            loss = model(x).sum()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if not scaler.last_step_skipped:
+            lr_scheduler.step()
+    """
+
+    def __init__(self, device: Optional[str] = None, init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, *,
+                 min_scale: Optional[float] = None, max_scale: Optional[float] = None,
+                 hysteresis: int = 1, process_group: Any = None) -> None:
+        device_type = _device_type(device)
+        init = _in_range("init_scale", init_scale, 0.0, _F32_MAX, low_open=True)
+        self._growth_factor = _growth_factor(growth_factor)
+        self._backoff_factor = _backoff_factor(backoff_factor)
+        self._growth_interval = _count("growth_interval", growth_interval, 1)
+        self._hysteresis = _count("hysteresis", hysteresis, 1)
+        self._min_scale, self._max_scale = _bounds(min_scale, max_scale)
+        self._device = device_type
+        self._enabled = bool(enabled)
+        if device_type == "cuda" and self._enabled and not torch.cuda.is_available():
+            warnings.warn("ampkit.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                          stacklevel=2)
+            self._enabled = False
+        self._process_group = process_group
+        self._init_scale = self._clamp(init)
+        self._init_growth_tracker = 0
+        self._init_skipped_steps = 0
+        self._init_consecutive_skips = 0
+        self._steps = 0
+        # Device tensors, created on the first scaled tensor's device.
+        self._scale: Optional[Tensor] = None
+        self._growth_tracker: Optional[Tensor] = None
+        self._skipped_steps: Optional[Tensor] = None
+        self._consecutive_skips: Optional[Tensor] = None
+        self._last_skipped_host: Optional[bool] = False
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
+            _refresh_per_optimizer_state)
+
+    # --- scale tensors ----------------------------------------------------------------------
+    def _scale_bounds(self) -> tuple[float, float]:
+        return (_F32_TINY if self._min_scale is None else self._min_scale,
+                _F32_MAX if self._max_scale is None else self._max_scale)
+
+    def _clamp(self, scale: float) -> float:
+        low, high = self._scale_bounds()
+        return min(max(scale, low), high)
+
+    def _lazy_init_scale_growth_tracker(self, dev: Union[torch.device, str]) -> None:
+        """Create the scale, growth tracker and skip counters on ``dev`` (first ``scale``)."""
+        if self._growth_tracker is not None:
+            raise _StateError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._consecutive_skips = torch.full((), self._init_consecutive_skips, dtype=torch.int32,
+                                             device=dev)
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
+               "earlier in the iteration.")
+        if self._scale is None:
+            raise _StateError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise _StateError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _inverse_scale(self) -> Tensor:
+        """1/scale as a float32 device tensor (shared with ``ampkit.frontend``); no host sync.
+
+        The reciprocal is taken in fp64 and rounded once, as torch does, so that
+        non-power-of-two scales unscale bitwise like torch's.
+        """
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        if scale.device.type == "mps":  # no fp64 there
+            return scale.reciprocal()
+        return scale.double().reciprocal().float()
+
+    def _get_scale_async(self) -> Optional[Tensor]:
+        return self._scale
+
+    # --- scale ------------------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor, or tensors nested in lists/tuples/iterables, by the scale.
+
+        The scale is created on the first tensor's device and copied to others once per
+        call. Returns ``outputs`` unchanged when disabled.
+
+        Example: ``scaler.scale(loss).backward()``; ``scaler.scale([l1, l2])``.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, Tensor):
+            return outputs * self._scale_on(outputs.device, {})
+        return self._scale_nested(outputs, {})
+
+    def _scale_on(self, device: torch.device, copies: dict[torch.device, Tensor]) -> Tensor:
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        copy = copies.get(device)
+        if copy is None:
+            copy = copies[device] = self._scale.to(device=device, non_blocking=True)
+        return copy
+
+    def _scale_nested(self, value: Any, copies: dict[torch.device, Tensor]) -> Any:
+        if isinstance(value, Tensor):
+            return value * self._scale_on(value.device, copies)
+        if isinstance(value, abc.Iterable):
+            scaled = map(lambda item: self._scale_nested(item, copies), value)
+            return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+    # --- unscale_ and step --------------------------------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place, recording any inf/NaN.
+
+        Optional: call it to clip or inspect gradients before ``step``, at most once per
+        optimizer per iteration. fp16 gradients are accepted (torch refuses them). For an
+        optimizer with ampkit fp32 master weights the master gradients are unscaled. With a
+        ``process_group`` found-inf is all-reduced here (a collective: every rank must call
+        it). No host sync.
+
+        Example: ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, 1.0)``.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        masters = master_weights_of(optimizer)
+        if masters is not None:
+            masters.sync_grads()  # the param_groups hold the fp32 masters: unscale those
+        inv_scale = self._inverse_scale()
+        self._record_found_inf(optimizer, inv_scale)
+        if masters is not None:
+            masters.note_unscaled(inv_scale)
+        state["stage"] = OptState.UNSCALED
+
+    def _record_found_inf(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor) -> None:
+        scale = self._scale
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        per_device = _unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
+        _fold_into(found_inf, per_device)
+        self._sync_found_inf(found_inf)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = per_device
+        state["found_inf"] = found_inf
+
+    def _sync_found_inf(self, found_inf: Tensor) -> None:
+        if self._process_group is None:
+            return
+        # Summed over ranks so every rank makes the same skip and backoff decision. NCCL
+        # queues this on the current stream (no host sync); gloo completes it on the host.
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.SUM,
+                                     group=self._process_group)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        """Record found-inf for ``optimizer`` without unscaling (fused optimizers unscale)."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        masters = master_weights_of(optimizer)
+        if masters is not None:
+            masters.sync_grads()
+        self._record_found_inf(optimizer, torch.full((), 1.0, dtype=torch.float32, device=scale.device))
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
+                        found_inf: Tensor, allow_fp16: bool = True) -> dict[torch.device, Tensor]:
+        """torch's private hook, kept for subclasses; fp16 is accepted whatever ``allow_fp16``."""
+        return _unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` ran) and call ``optimizer.step`` if no inf/NaN was found.
+
+        Plain optimizers: one host sync (reading found-inf) to decide whether to step.
+        Fused optimizers (``_step_supports_amp_scaling``) get ``grad_scale`` and
+        ``found_inf`` tensors and skip on the device: no host sync. Closures are rejected.
+
+        Returns:
+            What ``optimizer.step`` returned, or None when the step was skipped.
+
+        Example: ``scaler.step(optimizer)``.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, args, kwargs)
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise _StateError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Any:
+        # The one host sync of a plain step: Python must know whether to call step().
+        # Zeroing the grads instead would not be a skip (momentum, Adam moments and
+        # step counts, weight decay still change the parameters).
+        found = state["found_inf"].item()
+        state["found_host"] = found
+        return optimizer.step(*args, **kwargs) if not found else None
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    args: tuple, kwargs: dict) -> Any:
+        if _takes_grad_scaler(optimizer.step):
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning, stacklevel=3)
+            retval = optimizer.step(*args, **dict(kwargs, grad_scaler=self))
+            state["stage"] = OptState.STEPPED
+            return retval
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        previous = getattr(optimizer, "grad_scale", None)
+        if state["stage"] is OptState.UNSCALED:
+            grad_scale = previous  # already unscaled: the optimizer must not unscale again
+        else:
+            grad_scale = self._scale if previous is None else self._scale * previous
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = state["found_inf"]  # type: ignore[attr-defined]
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, new_scale: Union[float, Tensor, None] = None) -> None:
+        """Update the scale from this iteration's inf checks (or set it to ``new_scale``).
+
+        Backoff after an overflow (on the ``hysteresis``-th in a row), growth after
+        ``growth_interval`` clean iterations, then the scale is clamped into
+        [min_scale, max_scale]. All on the device: no host sync. ``new_scale`` (a float, or
+        a 1-element tensor on the scaler's device type) replaces the rule for this call; it
+        is clamped into the bounds and leaves the growth tracker as it is, like torch.
+
+        Example: ``scaler.update()`` once per iteration, after every ``step``.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("update")
+        found_inf = self._combined_found_inf(required=new_scale is None)
+        if new_scale is not None:
+            self._set_scale(new_scale)
+            if found_inf is not None:
+                self._count_step(found_inf)
+        else:
+            # Every recorded found-inf was all-reduced already, in unscale_ or before a fused step.
+            self._apply_update(found_inf, synced=True)
+        hosts = [s.get("found_host") for s in self._per_optimizer_states.values() if "found_inf" in s]
+        if hosts and None not in hosts:  # every optimizer was a plain one: known without a sync
+            self._last_skipped_host = any(hosts)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _combined_found_inf(self, required: bool) -> Optional[Tensor]:
+        states = [s for s in self._per_optimizer_states.values() if "found_inf" in s]
+        if not any(s["found_inf_per_device"] for s in states):
+            if required:
+                raise _StateError("No inf checks were recorded prior to update.")
+            return None
+        combined = states[0]["found_inf"]
+        for state in states[1:]:
+            combined = combined + state["found_inf"]
+        return combined
+
+    def _apply_update(self, found_inf: Tensor, *, synced: bool = False) -> None:
+        """Apply the full scale rule for one iteration given its combined ``found_inf``.
+
+        Shared with ``ampkit.frontend``, and what ``update()`` runs: all-reduces
+        ``found_inf`` in place over ``process_group`` unless ``synced`` (so a caller that
+        reads it afterwards sees every rank's overflow), counts the step and skip, then
+        updates the growth tracker and the scale (backoff with hysteresis, growth, clamp).
+        No host sync.
+
+        Args:
+            found_inf: 1-element float32 tensor on the scale's device; non-zero = overflow.
+            synced: True when ``found_inf`` was already all-reduced over ``process_group``.
+
+        Example: ``scaler._apply_update(found_inf)`` after :func:`unscale_grads_`.
+        """
+        scale, tracker = self._check_scale_growth_tracker("update")
+        found_inf = found_inf.to(scale.device, non_blocking=True)
+        if not synced:
+            self._sync_found_inf(found_inf)
+        overflow = self._count_step(found_inf)
+        if self._hysteresis == 1:
+            torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+        else:
+            # torch's kernel resets the tracker and backs off on every overflow; keep its
+            # tracker reset but restore the old scale for overflows before the
+            # hysteresis-th in a row. A device-side select, so no host sync.
+            hold = overflow & (self._consecutive_skips < self._hysteresis)
+            before = scale.clone()
+            torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+            scale.copy_(torch.where(hold, before, scale))
+        # Bounds: also catch a backoff below float32's normal range (torch lets the scale
+        # decay to 0, after which 1/scale is inf and every step is skipped forever).
+        scale.clamp_(*self._scale_bounds())
+
+    def _count_step(self, found_inf: Tensor) -> Tensor:
+        overflow = found_inf > 0
+        self._steps += 1
+        self._skipped_steps.add_(overflow)
+        self._consecutive_skips.add_(1).mul_(overflow)
+        self._last_skipped_host = None  # known on the device only, until someone asks
+        return overflow
+
+    def _set_scale(self, new_scale: Union[float, Tensor]) -> None:
+        scale = self._scale
+        if isinstance(new_scale, Tensor):
+            reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                      "torch.FloatTensor with requires_grad=False.")
+            if (new_scale.device.type != scale.device.type or new_scale.numel() != 1
+                    or new_scale.requires_grad):
+                raise _ArgumentError(reason + f" Got {new_scale!r} on {new_scale.device}.")
+            value = new_scale.detach().reshape(()).to(scale.device, torch.float32)
+            # A NaN would poison every later step: keep the current scale instead.
+            scale.copy_(torch.where(torch.isnan(value), scale, value))
+        else:
+            scale.fill_(_in_range("new_scale", new_scale, 0.0, _F32_MAX, low_open=True))
+        scale.clamp_(*self._scale_bounds())
+
+    # --- getters and setters --------------------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Syncs with the device."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1)."""
+        self._growth_factor = _growth_factor(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1))."""
+        self._backoff_factor = _backoff_factor(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (an int >= 1)."""
+        self._growth_interval = _count("growth_interval", new_interval, 1)
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def min_scale(self) -> Optional[float]:
+        return self._min_scale
+
+    @property
+    def max_scale(self) -> Optional[float]:
+        return self._max_scale
+
+    @property
+    def hysteresis(self) -> int:
+        return self._hysteresis
+
+    @property
+    def process_group(self) -> Any:
+        """The group found-inf is all-reduced over (None: this process only)."""
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._process_group = group
+
+    # --- statistics -----------------------------------------------------------------------------
+    def stats(self) -> ScalerStats:
+        """The scale and step counters; one host sync (all values read in one transfer).
+
+        Example: ``s = scaler.stats(); print(s.scale, s.skipped_steps, "/", s.steps)``.
+        """
+        if not self._enabled:
+            return ScalerStats(1.0, 0, 0, 0)
+        if self._scale is None:
+            return ScalerStats(self._init_scale, self._steps, self._init_skipped_steps,
+                               self._init_consecutive_skips)
+        values = torch.stack([self._scale.double(), self._skipped_steps.double(),
+                              self._consecutive_skips.double()]).tolist()
+        return ScalerStats(values[0], self._steps, int(values[1]), int(values[2]))
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``update()`` saw an inf/NaN, i.e. some optimizer skipped its step.
+
+        Free after plain-optimizer steps (``step`` already read found-inf on the host); one
+        host sync after fused steps, since the decision was taken on the device.
+        Example: ``if not scaler.last_step_skipped: scheduler.step()``.
+        """
+        if not self._enabled:
+            return False
+        if self._last_skipped_host is None:
+            self._last_skipped_host = bool(self._consecutive_skips.item() > 0)
+        return self._last_skipped_host
+
+    # --- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries plus min_scale, max_scale, hysteresis and the step counters.
+
+        torch.amp.GradScaler.load_state_dict reads its five keys and ignores the rest, so
+        either scaler loads the other's. Empty when disabled. Syncs with the device.
+        Example: ``torch.save({"scaler": scaler.state_dict()}, path)``.
+        """
+        if not self._enabled:
+            return {}
+        stats = self.stats()
+        return {
+            "scale": stats.scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
+            "hysteresis": self._hysteresis,
+            "steps": stats.steps,
+            "skipped_steps": stats.skipped_steps,
+            "consecutive_skips": stats.consecutive_skips,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of this class or of torch.amp.GradScaler (a no-op when disabled).
+
+        Keys torch's lacks keep this scaler's settings (min/max scale, hysteresis) and start
+        the counters at 0. A saved scale of 0 or inf (torch can reach both) is clamped into
+        [min_scale, max_scale]. Everything is validated before anything changes.
+        Example: ``scaler.load_state_dict(torch.load(path)["scaler"])``.
+        """
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state_dict lacks {missing}; it needs at least "
+                           f"{list(_TORCH_KEYS)}")
+        new = self._parse_state_dict(state_dict)
+        self._min_scale, self._max_scale = new["min_scale"], new["max_scale"]
+        self._growth_factor, self._backoff_factor = new["growth_factor"], new["backoff_factor"]
+        self._growth_interval, self._hysteresis = new["growth_interval"], new["hysteresis"]
+        self._init_scale = self._clamp(new["scale"])
+        self._init_growth_tracker = new["_growth_tracker"]
+        self._steps = new["steps"]
+        self._init_skipped_steps = new["skipped_steps"]
+        self._init_consecutive_skips = new["consecutive_skips"]
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._growth_tracker.fill_(self._init_growth_tracker)
+            self._skipped_steps.fill_(self._init_skipped_steps)
+            self._consecutive_skips.fill_(self._init_consecutive_skips)
+        self._last_skipped_host = self._init_consecutive_skips > 0
+
+    def _parse_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        low, high = _bounds(state_dict.get("min_scale", self._min_scale),
+                            state_dict.get("max_scale", self._max_scale))
+        scale = _in_range("scale", state_dict["scale"], 0.0, math.inf, low_open=False)
+        return {
+            "scale": scale, "min_scale": low, "max_scale": high,
+            "growth_factor": _growth_factor(state_dict["growth_factor"]),
+            "backoff_factor": _backoff_factor(state_dict["backoff_factor"]),
+            "growth_interval": _count("growth_interval", state_dict["growth_interval"], 1),
+            "hysteresis": _count("hysteresis", state_dict.get("hysteresis", self._hysteresis), 1),
+            "_growth_tracker": _count("_growth_tracker", state_dict["_growth_tracker"], 0),
+            "steps": _count("steps", state_dict.get("steps", 0), 0),
+            "skipped_steps": _count("skipped_steps", state_dict.get("skipped_steps", 0), 0),
+            "consecutive_skips": _count("consecutive_skips",
+                                        state_dict.get("consecutive_skips", 0), 0),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_process_group"] = None  # a live communicator cannot be pickled
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise _StateError("A GradScaler instance may only be pickled at the beginning "
+                                  "of an iteration, or at the end after scaler.update().")
+            # Device tensors travel as Python numbers and are re-created lazily.
+            stats = self.stats()
+            state["_init_scale"] = stats.scale
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_skipped_steps"] = stats.skipped_steps
+            state["_init_consecutive_skips"] = stats.consecutive_skips
+            state["_last_skipped_host"] = stats.consecutive_skips > 0
+            for name in ("_scale", "_growth_tracker", "_skipped_steps", "_consecutive_skips"):
+                state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

@@ -1,0 +1,587 @@
+"""GradScaler: bitwise drop-in for torch.amp.GradScaler, plus bounds, hysteresis, fp16 grads."""
+
+import contextlib
+import math
+import os
+import pickle
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit import _state
+from ampkit.master import attach_master_weights
+from ampkit.scaler import GradScaler, OptState, ScalerStats, unscale_grads_
+from conftest import DEVICES, HALF_DTYPES
+
+INF, NAN = float("inf"), float("nan")
+F32_TINY = torch.finfo(torch.float32).tiny
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _model(device, dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(device, dtype)
+
+
+def _inputs(device, dtype=torch.float32):
+    return torch.randn(16, 6, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True),
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+}
+
+
+def _train(scaler, device, make_opt, inject, steps=9, unscale=False):
+    """A short run; ``inject`` maps step -> a value written into one gradient entry."""
+    model = _model(device)
+    opt = make_opt(model.parameters())
+    x = _inputs(device)
+    history = []
+    for i in range(steps):
+        opt.zero_grad()
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if i in inject:
+            model[0].weight.grad[1, 2] = inject[i]
+        if unscale:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        params = [p.detach().clone() for p in model.parameters()]
+        history.append((params, scaler.get_scale(), scaler._get_growth_tracker()))
+    return history
+
+
+def _assert_same_history(ours, theirs):
+    assert len(ours) == len(theirs)
+    for step, ((p1, s1, t1), (p2, s2, t2)) in enumerate(zip(ours, theirs)):
+        assert s1 == s2 and t1 == t2, f"step {step}: scale/tracker {s1}/{t1} vs torch {s2}/{t2}"
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2)), f"step {step}: params differ"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("unscale", [False, True])
+def test_bitwise_same_run_as_torch_with_infs_and_nans(device, opt_name, unscale):
+    inject = {2: INF, 3: NAN, 4: -INF, 8: NAN}
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    ours = _train(GradScaler(device, **kwargs), device, OPTIMIZERS[opt_name], inject, unscale=unscale)
+    theirs = _train(torch.amp.GradScaler(device, **kwargs), device, OPTIMIZERS[opt_name], inject,
+                    unscale=unscale)
+    _assert_same_history(ours, theirs)
+    assert [h[1] for h in ours] == [1024.0, 2048.0, 1024.0, 512.0, 256.0, 256.0, 512.0, 512.0, 256.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitwise_same_as_torch_with_non_power_of_two_factors(device):
+    # Scales like 1000 * 1.5**k have inexact reciprocals, so unscaling rounds: it must round as torch does.
+    kwargs = dict(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3, growth_interval=1)
+    inject = {3: INF, 5: NAN}
+    make = OPTIMIZERS["adam_foreach"]
+    _assert_same_history(_train(GradScaler(device, **kwargs), device, make, inject),
+                         _train(torch.amp.GradScaler(device, **kwargs), device, make, inject))
+
+
+def test_two_optimizers_one_overflowing_matches_torch():
+    def run(scaler):
+        a, b = _model("cpu"), _model("cpu")
+        opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters())
+        x = _inputs("cpu")
+        for i in range(4):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            scaler.scale([a(x).sum(), (b(x).pow(2).sum(),)])[0].backward()
+            scaler.scale(b(x).pow(2).sum()).backward()
+            if i == 1:
+                b[2].bias.grad[0] = INF
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+            scaler.update()
+        return [p.detach().clone() for p in [*a.parameters(), *b.parameters()]], scaler.get_scale()
+
+    (ours, s1), (theirs, s2) = run(GradScaler("cpu")), run(torch.amp.GradScaler("cpu"))
+    assert s1 == s2 == 32768.0
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+
+
+# --- call order and torch's errors --------------------------------------------------------
+def _ready(device="cpu", **kwargs):
+    model = _model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(device, **kwargs)
+    scaler.scale(model(_inputs(device)).sum()).backward()
+    return scaler, model, opt
+
+
+def test_state_machine_errors_match_torch():
+    scaler, _, opt = _ready()
+    scaler.unscale_(opt)
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update"):
+        scaler.step(opt)
+    scaler.update()
+    # torch raises AssertionError here; ours is both a RuntimeError and an AssertionError.
+    with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+
+
+def test_step_before_scale_and_step_without_grads_raise():
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AssertionError, match="Attempted step but _scale is None"):
+        GradScaler("cpu").step(opt)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+
+
+def test_closure_is_rejected():
+    scaler, model, opt = _ready()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        scaler.step(opt, closure=lambda: 0.0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_scale_nested_outputs_like_torch():
+    ours, theirs = GradScaler("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", init_scale=4.0)
+    nested = [torch.ones(2), (torch.full((1,), 2.0), [torch.ones(1, dtype=torch.float16)])]
+    a, b = ours.scale(nested), theirs.scale(nested)
+    assert type(a) is list and type(a[1]) is tuple and type(a[1][1]) is list
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1][0], b[1][0])
+    assert a[1][1][0].dtype == torch.float16 and torch.equal(a[1][1][0], b[1][1][0])
+    assert [t.tolist() for t in ours.scale(iter([torch.ones(1)]))] == [[4.0]]
+    with pytest.raises(ValueError, match="outputs must be a Tensor or an iterable of Tensors"):
+        ours.scale([torch.ones(1), 3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_is_created_lazily_on_the_first_tensors_device(device):
+    scaler = GradScaler("cpu" if device == "cuda" else device, init_scale=8.0)
+    assert scaler._scale is None and scaler.get_scale() == 8.0
+    out = scaler.scale(torch.ones(3, device=device, dtype=torch.bfloat16))
+    assert scaler._scale.device.type == device and scaler._scale.dtype == torch.float32
+    assert scaler._growth_tracker.dtype == torch.int32
+    assert out.dtype == torch.bfloat16 and out.tolist() == [8.0, 8.0, 8.0]
+
+
+def test_update_with_new_scale_float_and_tensor():
+    scaler, _, opt = _ready(max_scale=2.0**20)
+    scaler.step(opt)
+    scaler.update(1024.0)
+    assert scaler.get_scale() == 1024.0 and scaler.stats().steps == 1
+    scaler.scale(torch.ones(()))
+    scaler.update(torch.tensor([512.0]))
+    assert scaler.get_scale() == 512.0 and scaler._get_growth_tracker() == 0
+    scaler.update(torch.tensor(NAN))  # a NaN would poison every step: the scale is kept
+    assert scaler.get_scale() == 512.0
+    scaler.update(2.0**30)  # clamped into [min_scale, max_scale]
+    assert scaler.get_scale() == 2.0**20
+
+
+def test_update_with_bad_new_scale_raises():
+    scaler, _, _ = _ready()
+    for bad in (torch.ones(2), torch.ones((), requires_grad=True), torch.ones((), device="meta")):
+        with pytest.raises(ValueError, match="new_scale should be a float or a 1-element"):
+            scaler.update(bad)
+    with pytest.raises(AssertionError, match="new_scale should be a float"):  # torch's type
+        scaler.update(torch.ones(2))
+    for bad in (0.0, -1.0, INF, NAN):
+        with pytest.raises(ValueError, match=r"new_scale=.* is out of range; valid range: \(0.0, "):
+            scaler.update(bad)
+    assert scaler.get_scale() == 2.0**16
+
+
+def test_disabled_is_a_no_op_everywhere():
+    scaler = GradScaler("cpu", enabled=False)
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(_inputs("cpu")).sum()
+    assert scaler.scale(loss) is loss and scaler.get_scale() == 1.0 and not scaler.is_enabled()
+    loss.backward()
+    model[0].weight.grad[0, 0] = INF
+    scaler.unscale_(opt)
+    scaler.step(opt)  # steps anyway: nothing is checked
+    assert math.isinf(model[0].weight[0, 0].item())
+    scaler.update()
+    assert scaler.state_dict() == {} and scaler.stats() == ScalerStats(1.0, 0, 0, 0)
+    scaler.load_state_dict({"scale": 3.0})
+    assert scaler._scale is None and not scaler.last_step_skipped
+    assert scaler._get_growth_tracker() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_cuda_without_cuda_warns_and_disables_like_torch():
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling"):
+        scaler = GradScaler("cuda")
+    assert not scaler.is_enabled()
+
+
+def test_device_is_inferred(monkeypatch):
+    assert GradScaler()._device == ("cuda" if torch.cuda.is_available() else "cpu")
+    _state.set_active(_state.ActiveAmp(device_type="cpu", half_dtype=torch.bfloat16))
+    assert GradScaler()._device == "cpu"
+    _state.set_active(None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert GradScaler()._device == "cuda"
+    assert GradScaler(torch.device("cpu"))._device == "cpu"
+
+
+# --- beyond torch: bounds and hysteresis ---------------------------------------------------
+def _steps(scaler, pattern, device="cpu"):
+    """Drive ``scaler`` over a pattern of 'c' (clean) / 'i' (inf) / 'n' (NaN) iterations."""
+    model = _model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scales, skipped = [], []
+    for kind in pattern:
+        opt.zero_grad()
+        scaler.scale(model(_inputs(device)).mean()).backward()
+        if kind != "c":
+            model[2].bias.grad[0] = INF if kind == "i" else NAN
+        before = model[2].bias.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(torch.equal(before, model[2].bias))
+        assert scaler.last_step_skipped == (kind != "c")
+    return scales, skipped
+
+
+def test_hysteresis_backs_off_on_the_nth_overflow_in_a_row():
+    scaler = GradScaler("cpu", init_scale=64.0, growth_interval=100, hysteresis=3)
+    scales, skipped = _steps(scaler, "iiciincinnnc")
+    assert scales == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0, 32.0, 32.0, 32.0, 16.0, 8.0, 8.0]
+    assert skipped == [k != "c" for k in "iiciincinnnc"]
+    assert scaler.stats() == ScalerStats(8.0, 12, 9, 0)
+
+
+def test_hysteresis_resets_the_growth_tracker_on_held_overflows():
+    scaler = GradScaler("cpu", init_scale=64.0, growth_interval=2, hysteresis=2)
+    scales, _ = _steps(scaler, "cicc")
+    assert scales == [64.0, 64.0, 64.0, 128.0]
+    assert scaler.stats().consecutive_skips == 0
+
+
+def test_max_scale_caps_growth_and_min_scale_stops_backoff():
+    up = GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=20.0)
+    assert _steps(up, "cccc")[0] == [8.0, 16.0, 20.0, 20.0]
+    down = GradScaler("cpu", init_scale=8.0, min_scale=1.5)
+    assert _steps(down, "iiii")[0] == [4.0, 2.0, 1.5, 1.5]
+    assert GradScaler("cpu", init_scale=2.0**16, max_scale=2.0**10).get_scale() == 1024.0
+
+
+def test_scale_never_reaches_zero_or_inf_by_default():
+    down = GradScaler("cpu", init_scale=F32_TINY * 4)
+    scales = _steps(down, "iiii")[0]
+    assert scales == [F32_TINY * 2, F32_TINY, F32_TINY, F32_TINY]
+    assert math.isfinite(down._inverse_scale().item())
+    up = GradScaler("cpu", init_scale=F32_MAX / 2, growth_interval=1, growth_factor=4.0)
+    assert all(s == F32_MAX / 2 for s in _steps(up, "ccc")[0])  # growth to inf is refused
+
+
+# --- fp16 / bf16 gradients and master weights -----------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_gradients_are_unscaled_in_place(device, dtype):
+    model = _model(device, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = GradScaler(device, init_scale=1024.0)
+    scaler.scale(model(_inputs(device, dtype)).float().pow(2).mean()).backward()
+    scaled = [p.grad.clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    for p, g in zip(model.parameters(), scaled):
+        assert p.grad.dtype == dtype
+        assert torch.equal(p.grad, (g.float() * (1 / 1024.0)).to(dtype))
+    unscaled = [p.grad.clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    for p, b, g in zip(model.parameters(), before, unscaled):
+        assert p.dtype == dtype and torch.equal(p, b.add(g, alpha=-0.5))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_gradient_overflow_skips_the_step(dtype):
+    model = _model("cpu", dtype)
+    scaler = GradScaler("cpu", init_scale=2.0**16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(_inputs("cpu", dtype)).float().sum() * 1e38).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_master_weights_are_unscaled_and_stepped(fused):
+    model = _model("cpu", torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25, fused=fused)
+    masters = attach_master_weights(opt)
+    scaler = GradScaler("cpu", init_scale=256.0)
+    scaler.scale(model(_inputs("cpu", torch.float16)).float().pow(2).mean()).backward()
+    # The hooks moved every half grad into its fp32 master; one set by hand is synced first.
+    assert all(p.grad is None for p in model.parameters())
+    extra = torch.full_like(masters.model_params[0], 256.0)
+    masters.model_params[0].grad = extra
+    expected = [m.grad.clone() for m in masters.master_params]
+    expected[0] += extra.float()
+    expected = [(g * (1 / 256.0)) for g in expected]
+    if not fused:
+        scaler.unscale_(opt)
+        assert torch.equal(masters._inv_scale, torch.tensor(1 / 256.0))
+        assert all(torch.equal(m.grad, e) for m, e in zip(masters.master_params, expected))
+    start = [m.detach().clone() for m in masters.master_params]
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and scaler.get_scale() == 256.0
+    for p, m, s, e in zip(model.parameters(), masters.master_params, start, expected):
+        assert torch.equal(m, s.add(e, alpha=-0.25)) and torch.equal(p, m.half())
+
+
+def test_master_weights_overflow_skips_and_keeps_model():
+    model = _model("cpu", torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    masters = attach_master_weights(opt)
+    scaler = GradScaler("cpu", init_scale=256.0)
+    scaler.scale(model(_inputs("cpu", torch.float16)).float().sum()).backward()
+    masters.master_params[1].grad[0] = INF
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == 128.0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# --- the shared helpers --------------------------------------------------------------------
+def test_unscale_grads_groups_dtypes_and_accumulates_found_inf():
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([8.0], dtype=torch.float16),
+             torch.tensor([6.0], dtype=torch.bfloat16), torch.tensor([1.0, 3.0])]
+    found = torch.zeros(())
+    unscale_grads_(grads, torch.tensor(0.5), found)
+    assert found.item() == 0.0
+    assert [g.tolist() for g in grads] == [[1.0, 2.0], [4.0], [3.0], [0.5, 1.5]]
+    assert [g.dtype for g in grads][1:3] == [torch.float16, torch.bfloat16]
+    grads[1][0] = INF
+    unscale_grads_(grads, torch.tensor(0.5), found)
+    assert found.item() == 1.0
+    unscale_grads_([torch.ones(1)], torch.tensor(0.5), found)
+    assert found.item() == 1.0  # accumulates: never reset by a clean call
+
+
+def test_sparse_gradients_are_unscaled_like_torch():
+    def setup():
+        p = nn.Parameter(torch.zeros(3, dtype=torch.float16))
+        q = nn.Parameter(torch.zeros(2))
+        # Duplicate index 0: fp16 sparse grads are coalesced before unscaling, as in torch.
+        p.grad = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]),
+                                         torch.tensor([1.0, 2.0, 4.0]), (3,)).half()
+        q.grad = torch.tensor([1.0, INF])
+        return p, q, torch.optim.SGD([p, q], lr=1.0)
+
+    p, q, opt = setup()
+    scaler = GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    assert p.grad.is_coalesced() and p.grad.to_dense().tolist() == [1.5, 0.0, 2.0]
+    found = scaler._per_optimizer_states[id(opt)]["found_inf"]
+    # torch's own grouping loop, which allows fp16 on its fused-optimizer path:
+    tp, tq, topt = setup()
+    reference = torch.amp.GradScaler("cpu")
+    tfound = reference._unscale_grads_(topt, torch.tensor(0.5), torch.zeros(()), True)
+    assert torch.equal(p.grad.to_dense(), tp.grad.to_dense()) and torch.equal(q.grad, tq.grad)
+    assert found.item() == tfound[torch.device("cpu")].item() == 1.0
+
+
+def test_apply_update_all_reduces_counts_and_rules():
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=1, hysteresis=2)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler._apply_update(torch.tensor(1.0))
+    assert scaler.get_scale() == 16.0 and scaler.stats() == ScalerStats(16.0, 1, 1, 1)
+    scaler._apply_update(torch.tensor(1.0))
+    assert scaler.get_scale() == 8.0 and scaler.last_step_skipped
+    scaler._apply_update(torch.tensor(0.0))
+    assert scaler.get_scale() == 16.0 and scaler.stats() == ScalerStats(16.0, 3, 2, 0)
+    assert not scaler.last_step_skipped
+
+
+# --- host syncs --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _count_host_reads(monkeypatch):
+    """Count tensor-to-host reads made by ampkit.scaler itself (not by the optimizer)."""
+    counts = {"n": 0}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(os.path.join("ampkit", "scaler.py")):
+                counts["n"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    yield counts
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_host_syncs_per_step(monkeypatch, opt_name):
+    fused = opt_name.endswith("fused")
+    model = _model("cpu")
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    scaler = GradScaler("cpu")
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(model(_inputs("cpu")).sum()).backward()
+        if step == 1:
+            model[0].bias.grad[0] = INF
+        with _count_host_reads(monkeypatch) as counts:
+            scaler.step(opt)
+            scaler.update()
+        assert counts["n"] == (0 if fused else 1)
+        with _count_host_reads(monkeypatch) as counts:
+            # Known on the host after a plain step; one read after a fused one, then cached.
+            assert scaler.last_step_skipped == (step == 1)
+            assert scaler.last_step_skipped == (step == 1)
+        assert counts["n"] == (1 if fused else 0)
+
+
+def test_optimizer_taking_grad_scaler_keyword_gets_the_scaler():
+    class Custom(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.seen = grad_scaler
+
+    scaler, model, _ = _ready()
+    opt = Custom(model.parameters(), lr=0.1)
+    with pytest.warns(FutureWarning, match="stop passing itself as a keyword argument"):
+        scaler.step(opt)
+    assert opt.seen is scaler
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.STEPPED
+
+
+# --- state_dict and pickling -------------------------------------------------------------------
+def _trained(**kwargs):
+    scaler = GradScaler("cpu", init_scale=64.0, growth_interval=3, **kwargs)
+    _steps(scaler, "ciicc")
+    return scaler
+
+
+def test_state_dict_round_trips_every_field():
+    scaler = _trained(min_scale=2.0, max_scale=4096.0, hysteresis=2)
+    state = scaler.state_dict()
+    assert state == {"scale": 32.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                     "growth_interval": 3, "_growth_tracker": 2, "min_scale": 2.0,
+                     "max_scale": 4096.0, "hysteresis": 2, "steps": 5, "skipped_steps": 2,
+                     "consecutive_skips": 0}
+    fresh = GradScaler("cpu")
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state and fresh._scale is None
+    live = _trained()
+    live.load_state_dict(state)
+    assert live.state_dict() == state and live.get_scale() == 32.0
+
+
+def test_each_loads_the_others_state_dict():
+    ours = _trained()
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(ours.state_dict())  # torch ignores the extra keys
+    assert theirs.state_dict() == {k: v for k, v in ours.state_dict().items()
+                                   if k in theirs.state_dict()}
+    torch_state = {"scale": 512.0, "growth_factor": 3.0, "backoff_factor": 0.25,
+                   "growth_interval": 7, "_growth_tracker": 4}
+    fresh = GradScaler("cpu", min_scale=1.0, hysteresis=3)
+    fresh.load_state_dict(torch_state)
+    assert fresh.state_dict() == dict(torch_state, min_scale=1.0, max_scale=None, hysteresis=3,
+                                      steps=0, skipped_steps=0, consecutive_skips=0)
+    fresh.load_state_dict(dict(torch_state, scale=0.0))  # torch's scale can underflow to 0
+    assert fresh.get_scale() == 1.0
+
+
+def test_load_state_dict_bad_input_changes_nothing():
+    scaler = _trained()
+    before = scaler.state_dict()
+    with pytest.raises(RuntimeError, match="The source state dict is empty"):
+        scaler.load_state_dict({})
+    with pytest.raises(KeyError, match=r"lacks \['_growth_tracker'\]"):
+        scaler.load_state_dict({k: v for k, v in before.items() if k != "_growth_tracker"})
+    for key, bad, message in [("growth_factor", 0.5, r"growth_factor=0.5 is out of range"),
+                              ("scale", NAN, r"scale=nan is out of range"),
+                              ("hysteresis", 0, r"hysteresis=0 is out of range"),
+                              ("min_scale", 1e9, r"min_scale=1000000000.0 is greater than")]:
+        state = dict(before, **{key: bad}, max_scale=1e6)
+        with pytest.raises(ValueError, match=message):
+            scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_pickle_round_trip_and_mid_iteration_refusal():
+    scaler = _trained(hysteresis=2)
+    scaler.process_group = object()
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == scaler.state_dict() and clone.process_group is None
+    assert clone._scale is None and clone.hysteresis == 2
+    scaler, _, opt = _ready()
+    scaler.unscale_(opt)
+    with pytest.raises(AssertionError, match="may only be pickled at the beginning"):
+        pickle.dumps(scaler)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"growth_factor": 1.0}, ValueError, r"growth_factor=1.0 is out of range; valid range: \(1.0, inf\)"),
+    ({"growth_factor": INF}, ValueError, r"growth_factor=inf is out of range"),
+    ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0 is out of range; valid range: \(0.0, 1.0\)"),
+    ({"backoff_factor": 0}, ValueError, r"backoff_factor=0 is out of range"),
+    ({"growth_interval": 0}, ValueError, r"growth_interval=0 is out of range; valid range: integers >= 1"),
+    ({"growth_interval": 2.5}, TypeError, r"growth_interval must be an int >= 1, got float 2.5"),
+    ({"hysteresis": 0}, ValueError, r"hysteresis=0 is out of range; valid range: integers >= 1"),
+    ({"min_scale": 8.0, "max_scale": 4.0}, ValueError, r"min_scale=8.0 is greater than max_scale=4.0"),
+    ({"min_scale": 0.0}, ValueError, r"min_scale=0.0 is out of range; valid range: \[1.17"),
+    ({"max_scale": INF}, ValueError, r"max_scale=inf is out of range"),
+    ({"init_scale": 0.0}, ValueError, r"init_scale=0.0 is out of range; valid range: \(0.0, 3.40"),
+    ({"init_scale": NAN}, ValueError, r"init_scale=nan is out of range"),
+    ({"init_scale": INF}, ValueError, r"init_scale=inf is out of range"),
+    ({"init_scale": "big"}, TypeError, r"init_scale must be a real number in \(0.0, "),
+    ({"device": "gpu0"}, ValueError, r"unknown device type 'gpu0'; valid: 'cpu', 'cuda'"),
+])
+def test_bad_constructor_arguments(kwargs, error, message):
+    kwargs = {"device": "cpu", **kwargs}
+    with pytest.raises(error, match=message):
+        GradScaler(**kwargs)
+
+
+def test_growth_factor_check_is_also_torchs_assertion_error():
+    with pytest.raises(AssertionError):
+        GradScaler("cpu", growth_factor=0.5)
+
+
+def test_setters_validate_and_keep_the_old_value():
+    scaler = GradScaler("cpu")
+    scaler.set_growth_factor(3.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(10)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (3.0, 0.25, 10)
+    with pytest.raises(ValueError, match=r"growth_factor=1 is out of range"):
+        scaler.set_growth_factor(1)
+    with pytest.raises(ValueError, match=r"backoff_factor=2.0 is out of range"):
+        scaler.set_backoff_factor(2.0)
+    with pytest.raises(ValueError, match=r"growth_interval=-1 is out of range"):
+        scaler.set_growth_interval(-1)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (3.0, 0.25, 10)
