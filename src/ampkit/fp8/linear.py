@@ -265,6 +265,12 @@ class Float8Linear(nn.Linear):
         # .to()/.cuda()/.half() land here: decide the backend for the new device now,
         # in eager code, so a compiled forward only reads a Python bool.
         result = super()._apply(fn, recurse)
+        for name in _ROLE_NAMES:
+            history = getattr(self, f"amax_history_{name}")
+            if history is not None and history.dtype != torch.float32:
+                # .half()/.to(bf16) cast buffers too; an amax rounded down in a 16-bit
+                # history would make the next scale too large and saturate.
+                setattr(self, f"amax_history_{name}", history.float())
         self._resolve_backend()
         return result
 

@@ -34,7 +34,11 @@ class Fp8(NamedTuple):
 
     def t(self) -> "Fp8":
         """The transpose (a per-row scale becomes a per-column one)."""
-        inv = self.inv_scale.t() if self.inv_scale.dim() == 2 else self.inv_scale
+        inv = self.inv_scale
+        if inv.dim() == 2:
+            # (M, 1) <-> (1, M) hold their elements in the same order: a reshape gives the
+            # unit strides torch._scaled_mm checks for, where .t() would give (1, M).
+            inv = inv.reshape(inv.shape[1], inv.shape[0])
         return Fp8(self.data.t(), inv)
 
 
