@@ -1,0 +1,589 @@
+"""frontend.py: initialize (O0-O3, overrides, re-initialize, bad input), scale_loss, checkpoints."""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampkit import _state, frontend
+from ampkit.autocast import autocast
+from ampkit.convert import cast_model
+from ampkit.frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
+from ampkit.master import master_weights_of
+from ampkit.overrides import register_float_function
+from ampkit.scaler import GradScaler
+from conftest import DEVICES, HALF_DTYPES
+
+F32 = torch.float32
+HALF = "half"  # stands for the parametrised half dtype in the opt-level table
+
+
+@pytest.fixture(autouse=True)
+def _reset_amp():
+    yield
+    frontend._amp = None
+
+
+def _model(device: str = "cpu", seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                         nn.Linear(16, 4)).to(device)
+
+
+def _batch(step: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(16, 8, generator=gen).to(device),
+            torch.randn(16, 4, generator=gen).to(device))
+
+
+def _loss(model: nn.Module, step: int, device: str = "cpu") -> torch.Tensor:
+    x, y = _batch(step, device)
+    return F.mse_loss(model(x).float(), y)
+
+
+def _step(model, optimizer, step, *, overflow=False, device="cpu", loss_id=0):
+    optimizer.zero_grad()
+    loss = _loss(model, step, device)
+    if overflow:
+        loss = loss * float("inf")  # every gradient becomes inf or NaN
+    with scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+        scaled.backward()
+    optimizer.step()
+
+
+def _scale(loss_id: int = 0) -> float:
+    return state_dict()[f"loss_scaler{loss_id}"]["loss_scale"]
+
+
+def _untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    return (all(p.dtype == F32 for p in model.parameters()) and not model._forward_hooks
+            and not model._forward_pre_hooks and "step" not in optimizer.__dict__
+            and master_weights_of(optimizer) is None)
+
+
+# --- the opt-level table --------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("level, params, bn, out, masters, scale", [
+    ("O0", F32, F32, F32, False, 1.0),
+    ("O1", F32, F32, F32, False, 2.0**16),
+    ("O2", HALF, F32, F32, True, 2.0**16),
+    ("O3", HALF, HALF, HALF, False, 1.0),
+])
+def test_opt_level_table(device, dtype, level, params, bn, out, masters, scale):
+    def resolve(d):
+        return dtype if d == HALF else d
+
+    model = _model(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert initialize(model, optimizer, opt_level=level, half_dtype=dtype) == (model, optimizer)
+    assert model[0].weight.dtype == resolve(params) and model[1].weight.dtype == resolve(bn)
+    assert model[1].running_mean.dtype == resolve(bn)
+    assert model(_batch(0, device)[0]).dtype == resolve(out)
+    assert (master_weights_of(optimizer) is not None) == masters
+    assert {p.dtype for p in master_params(optimizer)} == ({F32} if masters
+                                                          else {resolve(params), resolve(bn)})
+    assert state_dict() == {"loss_scaler0": {"loss_scale": scale, "unskipped": 0,
+                                             "scaler": state_dict()["loss_scaler0"]["scaler"]}}
+    assert {k: v.dtype for k, v in model.state_dict().items() if v.is_floating_point()} == {
+        k: F32 for k, v in model.state_dict().items() if v.is_floating_point()}
+    assert _state.get_active() == _state.ActiveAmp(device, None if level == "O0" else dtype)
+
+
+def test_half_dtype_defaults_to_the_device_autocast_dtype():
+    model = _model()
+    initialize(model, opt_level="O2")
+    assert model[0].weight.dtype == torch.bfloat16  # CPU's autocast default
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o1_forward_runs_under_ampkit_autocast_with_overrides(dtype):
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2, 2))
+
+        def forward(self, x):
+            self.seen = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            self.mm_dtype = torch.mm(x, self.w).dtype
+            return x @ self.w
+
+    model = Probe()
+    initialize(model, opt_level="O1", half_dtype=dtype)
+    assert model(torch.ones(1, 2)).dtype == F32  # outputs cast back to fp32
+    assert model.seen == (True, dtype) and model.mm_dtype == dtype
+    register_float_function(torch, "mm")
+    model(torch.ones(1, 2))
+    assert model.mm_dtype == F32  # the registered override applied inside O1 forward
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_list_of_models_and_optimizers_mirror_the_input():
+    models = [_model(seed=0), _model(seed=1)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    out_models, out_opts = initialize(models, optimizers, opt_level="O2")
+    assert out_models is models and out_opts is optimizers
+    assert all(m[0].weight.dtype == torch.bfloat16 for m in models)
+    assert all(master_weights_of(o) is not None for o in optimizers)
+    assert initialize(_model(), opt_level="O1") is not None
+
+
+def test_enabled_false_returns_inputs_untouched():
+    initialize(_model(), opt_level="O2")
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert initialize(model, optimizer, opt_level="O2", enabled=False) == (model, optimizer)
+    assert _untouched(model, optimizer) and _state.get_active() is None
+    loss = _loss(model, 0)
+    with scale_loss(loss, optimizer) as scaled:
+        assert scaled is loss
+    assert state_dict() == {}
+
+
+# --- keyword overrides ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_keyword_overrides(dtype):
+    model = _model()
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+               half_dtype=dtype, keep_batchnorm_fp32=False, master_weights=False,
+               cast_model_outputs=dtype, loss_scale=128.0)
+    assert model[1].weight.dtype == dtype and model(_batch(0)[0]).dtype == dtype
+    assert _scale() == 128.0 and frontend._amp.policy.master_weights is False
+    model = _model()
+    initialize(model, opt_level="O3", half_dtype=dtype, keep_batchnorm_fp32="True",
+               loss_scale="dynamic")
+    assert model[1].weight.dtype == F32 and model[0].weight.dtype == dtype and _scale() == 2.0**16
+    model = _model()
+    initialize(model, opt_level="O1", half_dtype=dtype, patch_torch_functions=False,
+               cast_model_type=torch.float16)
+    assert model[0].weight.dtype == torch.float16 and not frontend._amp.policy.autocast
+    model = _model()
+    initialize(model, opt_level="O2", cast_model_type=torch.float32, loss_scale="64")
+    assert model[0].weight.dtype == F32 and _scale() == 64.0
+    assert frontend._amp.policy.master_weights is False  # fp32 params are their own masters
+
+
+def test_min_and_max_loss_scale_bound_the_dynamic_scale():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1", min_loss_scale=40000.0)
+    for step in range(2):
+        _step(model, optimizer, step, overflow=True)
+        assert _scale() == 40000.0
+    initialize(_model(), opt_level="O1", max_loss_scale=1024)
+    assert _scale() == 1024.0
+
+
+# --- re-initialize ----------------------------------------------------------------------------
+def test_reinitialize_same_model_leaves_no_stale_hooks():
+    model = _model()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, first, opt_level="O2")
+    counts = [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._state_dict_hooks))
+              for m in model.modules()]
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, second, opt_level="O2")
+    assert counts == [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._state_dict_hooks))
+                      for m in model.modules()]
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model[0].parameters())
+    _loss(model, 0).backward()
+    assert all(m.grad is None for m in master_weights_of(first).master_params)
+    assert all(m.grad is not None for m in master_weights_of(second).master_params)
+
+
+def test_reinitialize_with_new_objects_frees_the_old_ones():
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters())
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.float16)
+    _step(model, optimizer, 0)
+    refs = [weakref.ref(model), weakref.ref(optimizer)]
+    del model, optimizer
+    new = _model()
+    initialize(new, torch.optim.Adam(new.parameters()), opt_level="O1", half_dtype=torch.bfloat16)
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert _state.get_active() == _state.ActiveAmp("cpu", torch.bfloat16)
+    assert _scale() == 2.0**16
+
+
+def test_already_initialized_optimizer_is_refused_before_any_change():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1")
+    other = _model()
+    active, amp = _state.get_active(), frontend._amp
+    with pytest.raises(RuntimeError, match=r"optimizers\[1\] \(SGD\) was already passed through"):
+        initialize([other], [torch.optim.SGD(other.parameters(), lr=0.1), optimizer],
+                   opt_level="O2")
+    assert other[0].weight.dtype == F32 and not other._forward_pre_hooks
+    assert _state.get_active() is active and frontend._amp is amp
+
+
+# --- bad input ------------------------------------------------------------------------------
+def _ddp() -> nn.Module:
+    # A real DDP needs a process group; the type check needs only the type.
+    return nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(opt_level="O5"), ValueError, r"unknown opt_level 'O5'; valid: 'O0', 'O1', 'O2', 'O3'"),
+    (dict(opt_level="0"), ValueError, r"did you mean 'O0', with the letter O\?\); valid: 'O0'"),
+    (dict(opt_level=2), ValueError, r"unknown opt_level 2 .*did you mean 'O2'"),
+    (dict(half_dtype=torch.float32), ValueError, r"half_dtype torch.float32 .* valid: .*bf16"),
+    (dict(half_dtype="fp8"), ValueError, r"unknown half_dtype 'fp8'; valid names: .*fp16"),
+    (dict(loss_scale="big"), ValueError, r"loss_scale 'big' is neither 'dynamic' nor"),
+    (dict(loss_scale=-2.0), ValueError, r"loss_scale -2.0 is neither 'dynamic' nor a positive"),
+    (dict(loss_scale=0), ValueError, r"loss_scale 0 is neither 'dynamic' nor a positive"),
+    (dict(loss_scale=[1]), TypeError, r"loss_scale must be 'dynamic' or a positive number"),
+    (dict(num_losses=0), ValueError, r"num_losses must be an int >= 1, got 0"),
+    (dict(verbosity=-1), ValueError, r"verbosity must be an int >= 0, got -1"),
+    (dict(min_loss_scale=-1.0), ValueError, r"min_loss_scale must be a positive finite number"),
+    (dict(max_loss_scale=None), ValueError, r"max_loss_scale must be a positive finite number"),
+    (dict(min_loss_scale=8.0, max_loss_scale=4.0), ValueError, r"min_loss_scale=8.0 is greater"),
+    (dict(keep_batchnorm_fp32="yes"), TypeError, r"keep_batchnorm_fp32 must be a bool, got str "
+                                                 r"'yes'; valid: True, False, 'True', 'False'"),
+    (dict(master_weights=1), TypeError, r"master_weights must be a bool, got int 1"),
+    (dict(patch_torch_functions="on"), TypeError, r"patch_torch_functions must be a bool"),
+    (dict(cast_model_type=torch.int32), ValueError, r"cast_model_type torch.int32 is not allowed"),
+    (dict(cast_model_outputs="int8"), ValueError, r"unknown cast_model_outputs 'int8'"),
+    (dict(opt_level="O0", master_weights=True), ValueError, r"master_weights=True\) needs half"),
+    (dict(enabled="yes"), TypeError, r"enabled must be a bool, got 'yes'"),
+])
+def test_bad_keyword_raises_before_any_change(kwargs, error, match):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=match):
+        initialize(model, optimizer, **kwargs)
+    assert _untouched(model, optimizer) and frontend._amp is None and _state.get_active() is None
+
+
+@pytest.mark.parametrize("models, optimizers, error, match", [
+    (lambda m: [m, "net"], None, TypeError, r"models\[1\] is a str \('net'\), not a torch.nn.Module"),
+    (lambda m: 3, None, TypeError, r"models must be a torch.nn.Module or a list of them, got int 3"),
+    (lambda m: [], None, ValueError, r"models is an empty list"),
+    (lambda m: nn.DataParallel(m), None, TypeError, r"models\[0\] is wrapped in DataParallel; "
+                                                     r"pass the bare module"),
+    (lambda m: [m, _ddp()], None, TypeError, r"models\[1\] is wrapped in DistributedDataParallel"),
+    (lambda m: m, lambda o: [o, "sgd"], TypeError,
+     r"optimizers\[1\] is a str \('sgd'\), not a torch.optim.Optimizer"),
+    (lambda m: m, lambda o: [o, o], ValueError, r"optimizers\[1\] \(SGD\) is listed twice"),
+])
+def test_bad_models_or_optimizers_raise_before_any_change(models, optimizers, error, match):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=match):
+        initialize(models(model), None if optimizers is None else optimizers(optimizer),
+                   opt_level="O2")
+    assert _untouched(model, optimizer) and frontend._amp is None
+
+
+def test_scale_loss_bad_input():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"ampkit.initialize has not been called"):
+        with scale_loss(_loss(model, 0), optimizer):
+            pass
+    initialize(model, optimizer, opt_level="O1", num_losses=2)
+    stranger = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        (dict(optimizers=[optimizer, stranger]), RuntimeError,
+         r"optimizers\[1\] \(SGD\) was not passed through ampkit.initialize"),
+        (dict(loss_id=2), ValueError, r"loss_id=2 is out of range; valid: 0..1 \(initialize had "
+                                      r"num_losses=2\)"),
+        (dict(loss_id=-1), ValueError, r"loss_id=-1 is out of range"),
+        (dict(loss=1.5), TypeError, r"loss must be a torch.Tensor, got float 1.5"),
+        (dict(optimizers="sgd"), TypeError, r"optimizers must be a torch.optim.Optimizer or a list"),
+    ]
+    for overrides, error, match in cases:
+        kwargs = dict(loss=_loss(model, 0), optimizers=optimizer) | overrides
+        with pytest.raises(error, match=match):
+            with scale_loss(**kwargs):
+                pass
+    with pytest.raises(TypeError, match=r"master_params takes a torch.optim.Optimizer, got list"):
+        master_params([optimizer])
+
+
+# --- scale_loss -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_scaled_loss_is_fp32_times_the_scale_and_grads_come_back_unscaled(dtype):
+    reference = _model()
+    _loss(reference, 0).backward()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O0", loss_scale="dynamic", half_dtype=dtype)
+    loss = _loss(model, 0).to(dtype)
+    with scale_loss(loss, optimizer) as scaled:
+        assert scaled.dtype == F32 and torch.equal(scaled, loss.float() * 2.0**16)
+        _loss(model, 0).mul(2.0**16).backward()
+    # A power-of-two scale commutes with every rounding: bitwise the unscaled fp32 grads.
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_overflow_skips_the_step_and_halves_the_scale(level, dtype):
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    initialize(model, optimizer, opt_level=level, half_dtype=dtype)
+    _step(model, optimizer, 0)
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in master_params(optimizer)]
+    state = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    _step(model, optimizer, 1, overflow=True)
+    assert _scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(masters, master_params(optimizer)))
+    assert all(torch.equal(v, optimizer.state_dict()["state"][0][k]) for k, v in state.items())
+    assert all(p.grad is None for p in list(model.parameters()) + list(master_params(optimizer)))
+    _step(model, optimizer, 2)  # the next clean step runs
+    assert not torch.equal(params[0], model[0].weight)
+    assert state_dict()["loss_scaler0"]["unskipped"] == 1
+
+
+def test_overflow_skips_only_the_optimizers_of_that_loss():
+    models = [_model(seed=0), _model(seed=1)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    initialize(models, opts, opt_level="O2", num_losses=2)
+    before = [m[0].weight.detach().clone() for m in models]
+    for opt in opts:
+        opt.zero_grad()
+    for i, (model, opt) in enumerate(zip(models, opts)):
+        loss = _loss(model, i) * (float("inf") if i == 0 else 1.0)
+        with scale_loss(loss, opt, loss_id=i) as scaled:
+            scaled.backward()
+    for opt in opts:
+        opt.step()
+    assert torch.equal(models[0][0].weight, before[0])
+    assert not torch.equal(models[1][0].weight, before[1])
+    assert (_scale(0), _scale(1)) == (2.0**15, 2.0**16)
+
+
+@pytest.mark.parametrize("verbosity, level", [(0, logging.DEBUG), (1, logging.INFO),
+                                              (2, logging.WARNING)])
+def test_overflow_is_logged_at_the_verbosity_level_and_never_printed(verbosity, level, caplog,
+                                                                      capsys):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1", verbosity=verbosity)
+    caplog.set_level(logging.DEBUG, logger="ampkit")
+    caplog.clear()
+    _step(model, optimizer, 0, overflow=True)
+    records = [r for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert [r.levelno for r in records] == [level]
+    assert "skipping the next step() of SGD; loss scaler 0 now at 32768" in records[0].getMessage()
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_accumulation_with_and_without_delay_unscale_agree_bitwise(level, dtype):
+    grads = []
+    for delay in (True, False):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        initialize(model, optimizer, opt_level=level, half_dtype=dtype)
+        optimizer.zero_grad()
+        for micro in range(3):
+            with scale_loss(_loss(model, micro), optimizer,
+                            delay_unscale=delay and micro < 2) as scaled:
+                scaled.backward()
+        grads.append([p.grad.clone() for p in master_params(optimizer)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_masters_accumulate_the_fp32_sum_of_the_half_grads(dtype):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O2", half_dtype=dtype)
+    reference = cast_model(_model(), dtype)  # the same half model, by hand
+    expected = None
+    for micro in range(2):
+        reference.zero_grad()
+        x, y = _batch(micro)
+        (F.mse_loss(reference(x.to(dtype)).float(), y) * 2.0**16).backward()
+        half = [p.grad.float() for p in reference[0].parameters()]
+        expected = half if expected is None else [a + b for a, b in zip(expected, half)]
+        with scale_loss(_loss(model, micro), optimizer, delay_unscale=micro == 0) as scaled:
+            scaled.backward()
+    masters = master_weights_of(optimizer).master_params[:2]
+    assert all(torch.equal(m.grad, e * 2.0**-16) for m, e in zip(masters, expected))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_two_losses_with_different_scales_accumulate_into_one_optimizer(level, dtype):
+    grads = []
+    for second_scale in (2.0**16, 2.0**10):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        initialize(model, optimizer, opt_level=level, half_dtype=dtype, num_losses=2)
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": second_scale, "unskipped": 0}})
+        optimizer.zero_grad()
+        for loss_id in range(2):
+            with scale_loss(_loss(model, loss_id), optimizer, loss_id=loss_id) as scaled:
+                scaled.backward()
+        grads.append([p.grad.clone() for p in master_params(optimizer)])
+    # Each loss is unscaled by its own scale; only half rounding of the grads differs.
+    assert all(torch.allclose(a, b, rtol=2e-2, atol=1e-5) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_with_model_zero_grad_does_not_accumulate_into_the_masters(dtype):
+    params = []
+    for zero in ("optimizer", "model"):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        initialize(model, optimizer, opt_level="O2", half_dtype=dtype)
+        for step in range(3):
+            (optimizer if zero == "optimizer" else model).zero_grad()
+            with scale_loss(_loss(model, step), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+        params.append([p.detach().clone() for p in master_params(optimizer)])
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+def test_delay_overflow_check_neither_updates_nor_skips():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1")
+    optimizer.zero_grad()
+    with scale_loss(_loss(model, 0) * float("inf"), optimizer, delay_overflow_check=True) as s:
+        s.backward()
+    optimizer.step()
+    assert _scale() == 2.0**16 and not torch.isfinite(model[0].weight).all()
+
+
+def test_static_loss_scale_unscales_and_never_changes():
+    reference = _model()
+    _loss(reference, 0).backward()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O0", loss_scale=128)
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
+        scaled.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    _step(model, optimizer, 1, overflow=True)
+    assert _scale() == 128.0 and not torch.isfinite(model[0].weight).all()  # as apex: no skip
+
+
+def test_exception_in_the_body_restores_the_earlier_grads():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1")
+    optimizer.zero_grad()
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
+        scaled.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="inside"):
+        with scale_loss(_loss(model, 1), optimizer):
+            raise ValueError("inside")
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert _scale() == 2.0**16
+
+
+# --- O2 with the optimizer's own API and the torch-style loop -------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_torch_style_loop_with_gradscaler_steps_the_masters(dtype):
+    def run(torch_style: bool) -> list[torch.Tensor]:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        initialize(model, optimizer, opt_level="O2", half_dtype=dtype)
+        scaler = GradScaler()
+        for step in range(3):
+            optimizer.zero_grad()
+            if torch_style:
+                with autocast():
+                    loss = _loss(model, step)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                _step(model, optimizer, step)
+        masters = master_weights_of(optimizer)
+        assert all(torch.equal(p, m.to(dtype)) for p, m in zip(masters.model_params,
+                                                               masters.master_params))
+        return [p.detach().clone() for p in master_params(optimizer)]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+def test_o2_add_param_group_and_lr_scheduler():
+    model = _model()
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O2")
+    optimizer.add_param_group({"params": model[3].parameters(), "lr": 0.2})
+    masters = optimizer.param_groups[1]["params"]
+    assert [m.dtype for m in masters] == [F32, F32] and masters[0] is not model[3].weight
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        _step(model, optimizer, 0)
+        scheduler.step()
+    assert torch.equal(model[3].weight, masters[0].to(torch.bfloat16))
+    assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.1]
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+def _fresh(level: str, dtype: torch.dtype, seed: int):
+    model = _model(seed=seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+    return (*initialize(model, optimizer, opt_level=level, half_dtype=dtype), )
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_checkpoint_resumes_bitwise(level, dtype):
+    model, optimizer = _fresh(level, dtype, seed=0)
+    dynamic = level in ("O1", "O2")
+    for step in range(3):
+        _step(model, optimizer, step, overflow=dynamic and step == 1)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "amp": state_dict()}, buffer)
+    for step in range(3, 5):
+        _step(model, optimizer, step)
+    expected = ([p.clone() for p in model.state_dict().values()],
+                [p.clone() for p in master_params(optimizer)], state_dict())
+
+    model, optimizer = _fresh(level, dtype, seed=1)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    load_state_dict(checkpoint["amp"])
+    for step in range(3, 5):
+        _step(model, optimizer, step)
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], master_params(optimizer)))
+    assert state_dict() == expected[2]
+    if dynamic:
+        assert expected[2]["loss_scaler0"]["loss_scale"] == 2.0**15
+
+
+def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
+    initialize(_model(), opt_level="O1", num_losses=2)
+    load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7},
+                     "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    assert [(v["loss_scale"], v["unskipped"]) for v in state_dict().values()] == [(1024.0, 7),
+                                                                                 (8.0, 0)]
+    with pytest.raises(ValueError, match=r"has keys \['loss_scaler0'\]; valid: exactly "
+                                         r"\['loss_scaler0', 'loss_scaler1'\]"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+    with pytest.raises(ValueError, match=r"state_dict\['loss_scaler1'\] is 3; valid: a dict"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": 3})
+    with pytest.raises(ValueError, match=r"scale=-1.0 is out of range"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
+    assert _scale(0) == 1024.0  # nothing loaded from the rejected dicts
