@@ -1,0 +1,228 @@
+"""convert_to_fp8 and Float8Linear inside models: swapping, filters, logging,
+state_dict, a short training run against bf16, torch.compile and DDP."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8
+
+RECIPES = ["tensorwise", "delayed", "rowwise"]
+EMU = {name: Float8Config(name, emulate=True) for name in RECIPES}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class SubLinear(nn.Linear):
+    pass
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 32), Block(), nn.LayerNorm(32), SubLinear(32, 32),
+                         nn.Linear(32, 10)).to(dtype)
+
+
+def test_swaps_eligible_layers_in_place_and_logs_the_rest(caplog):
+    model = make_model()
+    params = dict(model.named_parameters())
+    with caplog.at_level(logging.INFO, logger="ampkit.fp8"):
+        out = convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert out is model
+    assert [type(m).__name__ for m in (model[0], model[1].up, model[1].down, model[3], model[4])] == [
+        "Float8Linear", "Float8Linear", "Float8Linear", "SubLinear", "Linear"]
+    assert all(p is params[name] for name, p in model.named_parameters())
+    messages = [r.getMessage() for r in caplog.records]
+    assert "convert_to_fp8: kept 4 as nn.Linear: in_features=32 and out_features=10 must both " \
+           "be multiples of 16 for fp8 GEMMs" in messages
+    assert "convert_to_fp8: kept 3 as nn.Linear: SubLinear is a subclass of nn.Linear, not " \
+           "nn.Linear itself" in messages
+    assert messages[-1] == "convert_to_fp8: 3 linear layer(s) now tensorwise fp8, 2 kept"
+
+
+def test_module_filter_gets_module_and_fqn(caplog):
+    model = make_model()
+    seen = []
+
+    def keep_block(module: nn.Module, fqn: str) -> bool:
+        seen.append((type(module).__name__, fqn))
+        return fqn.startswith("1.")
+    with caplog.at_level(logging.INFO, logger="ampkit.fp8"):
+        convert_to_fp8(model, recipe=EMU["delayed"], module_filter=keep_block)
+    assert seen == [("Linear", "0"), ("Linear", "1.up"), ("Linear", "1.down")]
+    assert type(model[0]) is nn.Linear and isinstance(model[1].up, Float8Linear)
+    assert model[1].up.config.recipe.value == "delayed"
+    assert "convert_to_fp8: kept 0 as nn.Linear: refused by module_filter" in caplog.messages
+
+
+def test_converting_twice_leaves_float8_layers_alone():
+    model = convert_to_fp8(make_model(), recipe=EMU["tensorwise"])
+    first = model[0]
+    convert_to_fp8(model, recipe=EMU["rowwise"])
+    assert model[0] is first and first.config.recipe.value == "tensorwise"
+
+
+def test_bare_linear_is_returned_converted(caplog):
+    linear = nn.Linear(32, 16)
+    fp8 = convert_to_fp8(linear, recipe=EMU["rowwise"])
+    assert isinstance(fp8, Float8Linear) and fp8.weight is linear.weight
+    small = nn.Linear(8, 8)
+    with caplog.at_level(logging.INFO, logger="ampkit.fp8"):
+        assert convert_to_fp8(small) is small
+    assert "kept the model (Linear) as it is" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"recipe": "e3m4"}, ValueError, r"unknown fp8 recipe 'e3m4'; valid: 'tensorwise', 'delayed', 'rowwise'"),
+    ({"recipe": Float8Config}, TypeError, r"recipe must be a recipe name, a Recipe or a Float8Config"),
+    ({"module_filter": "up"}, TypeError,
+     r"module_filter must be a callable \(module, fqn\) -> bool or None, got 'up'"),
+])
+def test_bad_arguments_raise_before_any_swap(kwargs, error, match):
+    model = make_model()
+    with pytest.raises(error, match=match):
+        convert_to_fp8(model, **kwargs)
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_failing_filter_leaves_model_untouched():
+    model = make_model()
+
+    def flaky(module: nn.Module, fqn: str) -> bool:
+        if fqn == "1.down":
+            raise KeyError("boom")
+        return True
+    with pytest.raises(KeyError, match="boom"):
+        convert_to_fp8(model, module_filter=flaky)
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_convert_rejects_non_module():
+    with pytest.raises(TypeError, match=r"convert_to_fp8 needs an nn.Module, got list"):
+        convert_to_fp8([nn.Linear(16, 16)])
+
+
+# --- state_dict ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_state_dict_keys_dtypes_and_round_trip(recipe, dtype):
+    plain = make_model(dtype=dtype)
+    original = {k: (v.dtype, v.shape) for k, v in plain.state_dict().items()}
+    fp8 = convert_to_fp8(make_model(seed=1, dtype=dtype), recipe=EMU[recipe])
+    fp8(torch.randn(4, 32, dtype=dtype)).float().sum().backward()  # delayed state now non-zero
+    saved = fp8.state_dict()
+    assert {k: (v.dtype, v.shape) for k, v in saved.items()} == original
+    plain.load_state_dict(saved)  # strict: a plain nn.Linear model takes the fp8 checkpoint
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in saved.items())
+    fresh = convert_to_fp8(make_model(seed=2, dtype=dtype), recipe=EMU[recipe])
+    fresh.load_state_dict(make_model(seed=3, dtype=dtype).state_dict())  # and the other way
+    assert torch.equal(fresh[0].weight, make_model(seed=3, dtype=dtype)[0].weight)
+
+
+# --- training tracks bf16 -----------------------------------------------------------------------
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _train(model: nn.Module, steps: int = 24) -> torch.Tensor:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    w_true = torch.randn(32, 16, generator=gen)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss = (out.float() - torch.tanh(x @ w_true)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+@pytest.fixture(scope="module")
+def bf16_losses() -> torch.Tensor:
+    return _train(_mlp())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_short_training_run_tracks_bf16(recipe, bf16_losses):
+    losses = _train(convert_to_fp8(_mlp(), recipe=EMU[recipe]))
+    assert losses[-1] < 0.7 * losses[0]  # it learns
+    assert ((losses - bf16_losses).abs() / bf16_losses).max() < 0.02  # like bf16 does
+
+
+# --- torch.compile and DDP -------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compile_fullgraph_forward_backward(recipe):
+    """aot_eager traces forward and backward as inductor does, without the slow codegen,
+    so the compiled run must equal eager bitwise."""
+    torch._dynamo.reset()
+    eager = convert_to_fp8(_mlp(), recipe=EMU[recipe])
+    compiled_model = convert_to_fp8(_mlp(), recipe=EMU[recipe])
+    # fullgraph=True: any graph break inside Float8Linear (or its autograd.Function) fails.
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    for _ in range(3):  # delayed: warm-up step, then a recompile for the history steps
+        x = torch.randn(16, 32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_e, out_c = eager(x), compiled(x)
+        assert out_c.dtype == torch.bfloat16 and torch.equal(out_c, out_e)
+        out_e.float().square().mean().backward()
+        out_c.float().square().mean().backward()
+    for p_c, p_e in zip(compiled_model.parameters(), eager.parameters()):
+        assert torch.equal(p_c.grad, p_e.grad)
+    if recipe == "delayed":
+        assert compiled_model[0].amax_history_grad_output[2] > 0
+        assert torch.equal(compiled_model[0].amax_history_grad_output,
+                           eager[0].amax_history_grad_output)
+
+
+@pytest.mark.slow
+def test_compile_inductor_generates_code_for_fp8_layer():
+    """Inductor codegen on CPU: one layer, about 10 s on 2 cores."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), recipe=EMU["tensorwise"])
+    x = torch.randn(16, 32)
+    out_e = layer(x)
+    out_e.square().mean().backward()
+    grad_e = layer[0].weight.grad.clone()
+    layer.zero_grad()
+    out_c = torch.compile(layer, fullgraph=True, backend="inductor")(x)
+    out_c.square().mean().backward()
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer[0].weight.grad, grad_e, rtol=1e-5, atol=1e-5)
+
+
+def test_ddp_single_process(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = convert_to_fp8(_mlp(), recipe=EMU["delayed"])
+        reference = convert_to_fp8(_mlp(), recipe=EMU["delayed"])
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for _ in range(2):
+            x = torch.randn(16, 32)
+            ddp(x).square().mean().backward()
+            reference(x).square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    finally:
+        dist.destroy_process_group()
