@@ -278,6 +278,16 @@ def test_3d_input_equals_flattened(recipe):
     assert x.grad.shape == (2, 8, 64) and torch.equal(x.grad.reshape(16, 64), x2.grad)
 
 
+def test_empty_batch():
+    _, fp8 = layer_pair("delayed")
+    x = torch.zeros(0, 3, 64, requires_grad=True)
+    out = fp8(x)
+    assert out.shape == (0, 3, 32) and out.dtype == torch.float32
+    out.sum().backward()
+    assert x.grad.shape == (0, 3, 64) and torch.equal(fp8.weight.grad, torch.zeros(32, 64))
+    assert fp8.amax_history_input.sum() == 0
+
+
 def test_input_without_grad_skips_grad_input():
     _, fp8 = layer_pair("tensorwise")
     fp8(torch.randn(8, 64)).sum().backward()

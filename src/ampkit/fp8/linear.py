@@ -308,6 +308,10 @@ class Float8Linear(nn.Linear):
             raise ValueError(f"Float8Linear expected inputs with last dimension "
                              f"{self.in_features}, got shape {tuple(x.shape)}")
         native = self._use_scaled_mm()
+        if x.numel() == 0:  # no amax of an empty batch; nothing to multiply either
+            dtype = _output_dtype(x)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.config,
