@@ -4,12 +4,20 @@ torch.amp-compatible ``autocast`` and ``GradScaler``, apex.amp-compatible opt le
 O0-O3 with fp32 master weights, fp8 linear layers, and precision policies.
 """
 
-from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# Subpackage: fp8 linear layers (ampkit.fp8.convert_to_fp8, ampkit.fp8.Float8Linear)
+from . import fp8
+
+# Apex-style: opt levels, loss scaling, master weights, amp checkpoints
+from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
+
 # Policies
 from .policy import Policy, get_policy
+
+# Torch-style: gradient scaling
+from .scaler import GradScaler, ScalerStats
 
 # Torch-style: autocast and op overrides
 from .autocast import autocast
@@ -30,6 +38,16 @@ __all__ = [
     "get_policy",
     # torch-style
     "autocast",
+    "GradScaler",
+    "ScalerStats",
+    # apex-style
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    # fp8
+    "fp8",
     # op overrides
     "register_half_function",
     "register_float_function",
