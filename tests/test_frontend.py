@@ -199,6 +199,18 @@ def test_reinitialize_same_model_leaves_no_stale_hooks():
     assert all(m.grad is not None for m in master_weights_of(second).master_params)
 
 
+def test_reinitialize_keeps_the_fp32_master_values():
+    model = _model()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, first, opt_level="O2")
+    with torch.no_grad():
+        master_weights_of(first).master_params[0].add_(1e-4)  # not representable in bf16
+    expected = [m.clone() for m in master_weights_of(first).master_params]
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, second, opt_level="O2")
+    assert all(torch.equal(a, b) for a, b in zip(expected, master_weights_of(second).master_params))
+
+
 def test_reinitialize_with_new_objects_frees_the_old_ones():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters())

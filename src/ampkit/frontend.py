@@ -29,7 +29,7 @@ from . import _state
 from ._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, default_device_type, resolve_dtype
 from .autocast import autocast
 from .convert import BATCHNORM_TYPES, ForwardCasts, convert_model
-from .master import attach_master_weights, master_weights_of, release_masters
+from .master import MasterWeights, attach_master_weights, master_of, master_weights_of, release_masters
 from .policy import OPT_LEVELS, Policy, get_policy
 from .scaler import GradScaler, unscale_grads_
 
@@ -142,16 +142,27 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
 
 def _apply(policy: Policy, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
            device_type: str, explicit_outputs: bool) -> None:
-    # An earlier initialize's masters of these parameters would keep taking their grads.
-    release_masters(p for model in models for p in model.parameters())
+    params = [p for model in models for p in model.parameters()]
+    # An earlier initialize's masters of these parameters would keep taking their grads;
+    # their fp32 values seed the new masters (the half params are rounded from them).
+    earlier = {id(p): m for p in params if (m := master_of(p)) is not None}
+    release_masters(params)
     casts = _forward_casts(policy, device_type, explicit_outputs)
     keep_fp32 = BATCHNORM_TYPES if policy.keep_batchnorm_fp32 else ()
     for model in models:
         convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_fp32, casts=casts)
     for optimizer in optimizers:
         if policy.master_weights:
-            attach_master_weights(optimizer)
+            _seed_masters(attach_master_weights(optimizer), earlier)
         _install_step_guard(optimizer)
+
+
+@torch.no_grad()
+def _seed_masters(masters: MasterWeights, earlier: dict[int, Tensor]) -> None:
+    for param, master in zip(masters.model_params, masters.master_params):
+        previous = earlier.get(id(param))
+        if previous is not None and previous.shape == master.shape:
+            master.copy_(previous)
 
 
 def _forward_casts(policy: Policy, device_type: str, explicit_outputs: bool) -> ForwardCasts:
