@@ -135,7 +135,6 @@ def measure(workload: Workload, mode: str, device: str, half: torch.dtype, warmu
             steps: int, total: int) -> dict[str, Any]:
     """Train ``total`` steps in one mode, timing steps ``warmup .. warmup + steps``."""
     device_type = torch.device(device).type
-    frontend._amp = None  # the previous mode's initialize is replaced below anyway
     batches = workload.batches(torch.device(device))
     torch.manual_seed(0)
     model = workload.build().to(device)
