@@ -288,6 +288,16 @@ def test_empty_batch():
     assert fp8.amax_history_input.sum() == 0
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_frozen_weight_gets_no_gradient(recipe):
+    (_, a), (_, b) = layer_pair(recipe), layer_pair(recipe)
+    a.weight.requires_grad_(False)
+    x, g = torch.randn(16, 64), torch.randn(16, 32)
+    _, gx_a, gw_a = run_one(a, x, g)
+    _, gx_b, _ = run_one(b, x, g)
+    assert gw_a is None and torch.equal(gx_a, gx_b)
+
+
 def test_input_without_grad_skips_grad_input():
     _, fp8 = layer_pair("tensorwise")
     fp8(torch.randn(8, 64)).sum().backward()
@@ -431,6 +441,22 @@ def test_native_path_meets_scaled_mm_rules_and_matches_emulation(recipe, tuple_r
     assert not any(c[4] for c in calls[1:3])
     if recipe != "rowwise":
         assert {(c[2], c[3]) for c in calls[1:3]} == {(E5M2, E4M3)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8_linear.fp8_supported("cuda")),
+                    reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_scaled_mm_matches_emulation(recipe):
+    ref, native = layer_pair(recipe, "cuda", in_f=256, out_f=128)
+    emulated = Float8Linear.from_linear(ref, Float8Config(recipe, emulate=True))
+    assert native._native is True and emulated._native is False
+    x, g = torch.randn(200, 256, device="cuda"), torch.randn(200, 128, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (out, gx, gw), (out8, gx8, gw8) = run_both(emulated, native, x, g.bfloat16())
+    for a, b in ((out, out8), (gx, gx8), (gw, gw8)):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 # --- module behaviour ----------------------------------------------------------------------

@@ -152,19 +152,24 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         state, native = ctx.state, ctx.native
-        x_dtype, w_dtype = ctx.dtypes
+        (x_dtype, w_dtype), (need_x, need_w) = ctx.dtypes, ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
         with torch.autocast(grad_out.device.type, enabled=False):
             g_rows = _cast(grad_out, _GRAD, -1, state)
             if state.config.recipe is Recipe.ROWWISE:
+                # Each operand scaled along this GEMM's contraction dimension.
                 x, weight = ctx.saved_tensors
-                w_b = _cast(weight, _WEIGHT, 0, state)
-                g_t = _cast(grad_out, _GRAD, 0, state).t()
-                x_b = _cast(x, _INPUT, 0, state)
+                if need_x:
+                    grad_x = fp8_mm(g_rows, _cast(weight, _WEIGHT, 0, state), x_dtype, native)
+                if need_w:
+                    g_cols = _cast(grad_out, _GRAD, 0, state)
+                    grad_w = fp8_mm(g_cols.t(), _cast(x, _INPUT, 0, state), w_dtype, native)
             else:
                 x_data, x_inv, w_data, w_inv = ctx.saved_tensors
-                w_b, g_t, x_b = Fp8(w_data, w_inv), g_rows.t(), Fp8(x_data, x_inv)
-            grad_x = fp8_mm(g_rows, w_b, x_dtype, native) if ctx.needs_input_grad[0] else None
-            grad_w = fp8_mm(g_t, x_b, w_dtype, native) if ctx.needs_input_grad[1] else None
+                if need_x:
+                    grad_x = fp8_mm(g_rows, Fp8(w_data, w_inv), x_dtype, native)
+                if need_w:
+                    grad_w = fp8_mm(g_rows.t(), Fp8(x_data, x_inv), w_dtype, native)
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
