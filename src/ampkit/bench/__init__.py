@@ -1,0 +1,22 @@
+"""What ``ampkit bench`` and ``ampkit train`` run: workloads, the runner, data, reports.
+
+Example:
+    >>> from ampkit.bench import BenchSettings, parse_policy, run_policy
+    >>> result = run_policy(parse_policy("bf16-mixed", "cpu"), BenchSettings(model="mlp", steps=2))
+    >>> sorted(k for k in result if k in ("step_ms", "final_loss"))
+    ['final_loss', 'step_ms']
+"""
+
+from __future__ import annotations
+
+from .runner import (BenchError, BenchSettings, PolicySpec, Precision, parse_policy,
+                     parse_policy_list, run_bench, run_policy, train_step)
+from .train import TrainError, TrainSettings, train
+from .workloads import Workload, WorkloadError, get_workload
+
+__all__ = [
+    "BenchError", "BenchSettings", "PolicySpec", "Precision", "parse_policy",
+    "parse_policy_list", "run_bench", "run_policy", "train_step",
+    "TrainError", "TrainSettings", "train",
+    "Workload", "WorkloadError", "get_workload",
+]

@@ -1,0 +1,262 @@
+"""``ampkit train``: train a classifier under any policy, with checkpoints that resume exactly.
+
+The step is the benchmark's ``train_step`` under the same ``Precision``, so what
+``ampkit bench`` measures is what ``ampkit train`` runs. Exact resumption: the initial
+weights come from the seed, each epoch's shuffle from (seed, epoch) alone, and a
+checkpoint holds the model (fp32, the masters under O2), the optimizer, the GradScaler
+and the amp state, written at the end of every epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..frontend import load_state_dict as amp_load_state_dict
+from ..frontend import state_dict as amp_state_dict
+from .data import DATASETS, Dataset, load_data
+from .runner import (PolicySpec, Precision, adam_eps, adamw_factory, parse_policy,
+                     scaler_mode, train_step)
+from .workloads import (WorkloadError, call_user_function, classification_loss, make_cnn,
+                        make_mlp, make_resnet18)
+
+TRAIN_MODELS = "mlp, cnn, resnet18, or package.module:function"
+_FORMAT = "ampkit-train-1"
+# Settings a resumed run must share with the checkpoint (epochs may grow).
+_RESUME_KEYS = ("model", "data", "policy", "batch_size", "lr", "seed")
+OnEpoch = Callable[[dict[str, Any]], None]
+OnBatchFactory = Callable[[str], Callable[[int, int], None]]
+
+
+class TrainError(ValueError):
+    """A bad training setting or checkpoint (the CLI exits with status 2)."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything that defines a training run.
+
+    Args:
+        model: "mlp", "cnn", "resnet18" or "package.module:function" returning a model.
+        data: "digits", "cifar10" or "synthetic". data_dir: CIFAR-10's folder.
+        policy: a policy name as ``ampkit bench --policies`` takes it (O-levels too).
+        epochs: total epochs (a resumed run continues up to this number).
+        batch_size, lr (AdamW), seed (weights and shuffles), device.
+
+    Example:
+        >>> TrainSettings(data="synthetic", epochs=1).policy
+        '32-true'
+    """
+
+    model: str = "mlp"
+    data: str = "digits"
+    data_dir: Optional[str] = None
+    policy: str = "32-true"
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise TrainError(f"--epochs must be at least 1, got {self.epochs}")
+        if self.batch_size < 1:
+            raise TrainError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise TrainError(f"--lr must be a positive number, got {self.lr}")
+        if self.data not in DATASETS:
+            raise TrainError(f"unknown dataset {self.data!r}; valid: {', '.join(DATASETS)}")
+
+
+def build_classifier(name: str, data: Dataset) -> nn.Module:
+    """A fresh fp32 classifier for the dataset's input shape (the caller seeds first)."""
+    channels = data.input_shape[0]
+    if name == "mlp":
+        return make_mlp(math.prod(data.input_shape), 128, data.num_classes, layers=2)
+    if name == "cnn":
+        return make_cnn(channels, data.num_classes)
+    if name == "resnet18":
+        if channels != 3:
+            raise TrainError(f"model 'resnet18' needs 3-channel images, {data.name} has "
+                             f"{channels}; valid: --data cifar10, or --model mlp / cnn")
+        return make_resnet18(data.num_classes)
+    if ":" in name:
+        return _user_classifier(name)
+    raise TrainError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
+
+
+def _user_classifier(spec: str) -> nn.Module:
+    result = call_user_function(spec, None)
+    model = result[0] if isinstance(result, (tuple, list)) and result else result
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"model {spec!r} returned {type(result).__name__}; expected a "
+                            "torch.nn.Module (or a tuple whose first item is one)")
+    return model
+
+
+class Trainer:
+    """Model, optimizer and precision of one run, with epoch, evaluation and checkpoints.
+
+    Args:
+        settings: the run's settings.
+        data: the dataset (moved to the device once).
+
+    Example:
+        >>> trainer = Trainer(TrainSettings(data="synthetic", epochs=1), load_data("synthetic"))
+        >>> 0.0 <= trainer.evaluate()[1] <= 1.0
+        True
+    """
+
+    def __init__(self, settings: TrainSettings, data: Dataset) -> None:
+        self.settings = settings
+        device = torch.device(settings.device)
+        self.spec: PolicySpec = parse_policy(settings.policy, device.type)
+        torch.manual_seed(settings.seed)  # same initial weights for every policy
+        self.precision = Precision(self.spec, device)
+        self.model, self.optimizer = self.precision.setup(
+            build_classifier(settings.model, data), adamw_factory(self.spec.policy, settings.lr))
+        self.data = Dataset(data.name, *(t.to(device) for t in (data.train_x, data.train_y,
+                            data.test_x, data.test_y)), num_classes=data.num_classes)
+        self.history: list[dict[str, Any]] = []
+
+    def train_epoch(self, epoch: int, on_batch: Optional[Callable[[int, int], None]] = None) -> float:
+        """One pass over the training set in the (seed, epoch) order; the mean loss."""
+        self.model.train()
+        x, y = self.data.train_x, self.data.train_y
+        gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(y), generator=gen).to(x.device)
+        size = self.settings.batch_size
+        # Summed on the device; one host sync per epoch, not per step.
+        total = torch.zeros((), device=x.device)
+        batches = math.ceil(len(y) / size)
+        for b in range(batches):
+            idx = order[b * size:(b + 1) * size]
+            loss = train_step(self.model, x[idx], y[idx], classification_loss, self.optimizer,
+                              self.precision)
+            total += loss.float() * len(idx)
+            if on_batch is not None:
+                on_batch(b + 1, batches)
+        return float(total.item()) / len(y)
+
+    @torch.no_grad()
+    def evaluate(self, chunk: int = 1024) -> tuple[float, float]:
+        """Test loss and accuracy (a fraction) under the run's precision, in eval mode."""
+        self.model.eval()
+        x, y = self.data.test_x, self.data.test_y
+        loss_sum = torch.zeros((), device=x.device)
+        correct = torch.zeros((), dtype=torch.int64, device=x.device)
+        for start in range(0, len(y), chunk):
+            xs, ys = x[start:start + chunk], y[start:start + chunk]
+            with self.precision.autocast:
+                logits = self.model(xs)
+            loss_sum += classification_loss(logits, ys) * len(ys)
+            correct += (logits.argmax(dim=-1) == ys).sum()
+        self.model.train()
+        return float(loss_sum.item()) / len(y), int(correct.item()) / len(y)
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bitwise where this one stopped."""
+        state = {"format": _FORMAT, "settings": asdict(self.settings),
+                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.precision.scaler.state_dict(), "amp": None,
+                 "history": list(self.history)}
+        if self.precision.uses_initialize:
+            state["amp"] = amp_state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint written by a run with the same settings (epochs may differ)."""
+        _check_checkpoint(state, self.settings)
+        self.model.load_state_dict(state["model"])  # fp32 values; under O2 into the masters too
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.scaler.load_state_dict(state["scaler"])
+        if state["amp"] is not None and self.precision.uses_initialize:
+            amp_load_state_dict(state["amp"])
+        self.history = list(state["history"])
+
+    def save(self, path: str) -> None:
+        """Write the checkpoint atomically (a crash mid-write leaves the previous one)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+
+def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise TrainError(f"not an ampkit train checkpoint (format {_FORMAT!r} expected)")
+    saved = state["settings"]
+    for key in _RESUME_KEYS:
+        if saved.get(key) != getattr(settings, key):
+            raise TrainError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
+                             f"has {key}={getattr(settings, key)!r}; valid: the checkpoint's "
+                             "settings, or leave out --resume")
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read a checkpoint (tensors and plain values only: no code runs on load)."""
+    if not os.path.isfile(path):
+        raise TrainError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
+                         "of an earlier run")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file can fail in many ways
+        raise TrainError(f"--resume: cannot read checkpoint {path!r} "
+                         f"({type(err).__name__}: {err})") from None
+
+
+def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
+          on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None
+          ) -> dict[str, Any]:
+    """Train for ``settings.epochs`` epochs (continuing a checkpoint when ``resume``).
+
+    Args:
+        settings: the run. checkpoint: written after every epoch when given.
+        resume: continue from ``checkpoint``. on_epoch: called with each epoch's record.
+        on_batch: called with a task label, returns a per-batch progress callback.
+
+    Returns:
+        The log: settings, resolved policy, one record per epoch and the final one.
+    """
+    if resume and not checkpoint:
+        raise TrainError("--resume needs --checkpoint PATH (the checkpoint to continue)")
+    state = load_checkpoint(checkpoint) if resume and checkpoint else None
+    data = load_data(settings.data, settings.data_dir)
+    trainer = Trainer(settings, data)
+    if state is not None:
+        trainer.load_state_dict(state)
+    start = len(trainer.history)
+    for epoch in range(start + 1, settings.epochs + 1):
+        record = _run_epoch(trainer, epoch, on_batch)
+        trainer.history.append(record)
+        if checkpoint:
+            trainer.save(checkpoint)
+        if on_epoch is not None:
+            on_epoch(record)
+    return {"settings": asdict(settings), "resolved_policy": str(trainer.spec.policy),
+            "adam_eps": adam_eps(trainer.spec.policy),
+            "loss_scaling": str(scaler_mode(trainer.spec.policy) or "off"),
+            "data": data.describe(), "resumed_from_epoch": start if state is not None else None,
+            "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None}
+
+
+def _run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory]) -> dict[str, Any]:
+    started = time.perf_counter()
+    label = f"epoch {epoch}/{trainer.settings.epochs}"
+    train_loss = trainer.train_epoch(epoch, on_batch(label) if on_batch is not None else None)
+    test_loss, test_acc = trainer.evaluate()
+    scaler = trainer.precision.scaler
+    stats = scaler.stats() if scaler.is_enabled() else None
+    return {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
+            "test_acc": test_acc, "time_s": time.perf_counter() - started,
+            "loss_scale": None if stats is None else stats.scale,
+            "skipped_steps": None if stats is None else stats.skipped_steps}

@@ -1,0 +1,285 @@
+"""The ampkit command: bench, train, info, --version, run as a user would (tiny sizes, CPU).
+
+Subprocess tests run ``python -m ampkit.cli`` and check exit codes and JSON; the many
+bad-value cases call ``main()`` in-process (same code, no interpreter start each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampkit
+from ampkit.bench import report
+from ampkit.bench.runner import (BenchError, BenchSettings, adam_eps, parse_policy,
+                                 parse_policy_list, run_policy, scaler_mode)
+from ampkit.bench.train import TrainError, TrainSettings, train
+from ampkit.cli import main
+
+SRC = str(Path(ampkit.__file__).resolve().parent.parent)
+HAS_SKLEARN = __import__("importlib").util.find_spec("sklearn") is not None
+HAS_MATPLOTLIB = __import__("importlib").util.find_spec("matplotlib") is not None
+needs_sklearn = pytest.mark.skipif(not HAS_SKLEARN, reason="digits need scikit-learn (cli extra)")
+TINY = ["--model", "mlp", "--steps", "3", "--warmup", "1", "--batch-size", "8", "--quiet"]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "ampkit.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=120)
+
+
+def usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    """Run main() in-process; assert exit 2 with one stderr line; return that line."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# --- version, help, info -------------------------------------------------------------------
+def test_version_help_and_info_run_as_a_user_would():
+    version = run_cli("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"ampkit {ampkit.__version__}")
+    helped = run_cli("bench", "--help")
+    assert helped.returncode == 0 and "--policies" in helped.stdout and "fp8" in helped.stdout
+    info = run_cli("info")
+    assert info.returncode == 0, info.stderr
+    assert f"torch {torch.__version__}" in info.stdout
+    assert "device: cpu" in info.stdout and "native bf16:" in info.stdout
+    assert "recommended policy: " in info.stdout and "(" in info.stdout.split("recommended")[1]
+
+
+def test_help_of_each_command(capsys):
+    for argv in (["--help"], ["train", "--help"], ["info", "--help"]):
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    for word in ("bench", "train", "info", "--resume", "--opt-level", "--data-dir"):
+        assert word in out
+
+
+# --- bench ---------------------------------------------------------------------------------
+def test_bench_json_has_every_field_and_compares_to_the_first(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", *TINY, "--policies", "32-true,bf16-mixed,O2,16-mixed",
+                   "--isolate", "never", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "bf16-mixed" in proc.stdout and "Peak memory:" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert (doc["device"], doc["torch"], doc["ampkit"]) == ("cpu", torch.__version__,
+                                                           ampkit.__version__)
+    assert doc["settings"]["steps"] == 3 and doc["settings"]["model"] == "mlp"
+    results = doc["results"]
+    assert [r["policy"] for r in results] == ["32-true", "bf16-mixed", "O2", "16-mixed"]
+    for r in results:
+        for key in ("step_ms", "samples_per_s", "peak_mem_mib", "final_loss", "max_loss_dev"):
+            assert isinstance(r[key], float), (r["policy"], key)
+        assert len(r["losses"]) == 4 and len(r["step_times_ms"]) == 3
+        assert r["samples_per_s"] == pytest.approx(8 / r["step_ms"] * 1e3)
+    ref, o2, fp16 = results[0], results[2], results[3]
+    assert (ref["speedup"], ref["max_loss_dev"], ref["mem_ratio"]) == (1.0, 0.0, 1.0)
+    # Same seeded weights and data: the first step's loss is the fp32 forward, rounded.
+    assert abs(o2["losses"][0] - ref["losses"][0]) < 0.05
+    assert o2["half_dtype"] == "bfloat16" and o2["loss_scaling"] == "off"
+    assert fp16["loss_scaling"] == "dynamic" and fp16["skipped_steps"] == 0
+    assert fp16["final_scale"] == 65536.0
+
+
+def test_bench_default_isolates_policies_and_writes_json_to_stdout():
+    proc = run_cli("bench", *TINY, "--policies", "32-true,bf16-mixed", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # stdout is the JSON alone; the table went to stderr
+    assert doc["settings"]["process_per_policy"] is True
+    assert "ampkit bench" in proc.stderr
+    assert all(r["peak_mem_mib"] > 0 for r in doc["results"])
+    assert doc["results"][0]["memory_method"].endswith("in a fresh process per policy")
+    # The child process trained exactly what this process trains with the same settings.
+    here = run_policy(parse_policy("bf16-mixed", "cpu"),
+                      BenchSettings(model="mlp", steps=3, warmup=1, batch_size=8))
+    assert doc["results"][1]["losses"] == here["losses"]
+    assert here["compile_s"] is None and here["first_step_ms"] > 0
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib (cli extra)")
+def test_bench_plot_writes_a_png(tmp_path):
+    png = tmp_path / "plots" / "bench.png"
+    assert main(["bench", *TINY, "--policies", "32-true,bf16-mixed", "--isolate", "never",
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    line = usage_error(capsys, "bench", *TINY, "--plot", "out.png")
+    assert "matplotlib" in line and "--plot" in line
+
+
+def test_tables_fall_back_to_plain_text_without_rich(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)
+    assert not report.have_rich()
+    assert main(["bench", *TINY, "--policies", "32-true,bf16-mixed", "--isolate", "never"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(line for line in out if line.startswith("policy"))
+    assert "step ms" in header and "max |Δloss|" in header
+    assert any(line.startswith("bf16-mixed ") for line in out)
+
+
+def test_user_workload_from_the_current_directory(tmp_path):
+    (tmp_path / "mywork.py").write_text(textwrap.dedent("""
+        import torch
+        def make(batch_size=4):
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+            return model, (torch.randn(batch_size, 6), torch.randint(0, 3, (batch_size,)))
+        def wrong():
+            return torch.nn.Linear(2, 2)
+    """))
+    out = tmp_path / "r.json"
+    proc = run_cli("bench", "--model", "mywork:make", "--steps", "2", "--warmup", "1",
+                   "--batch-size", "5", "--policies", "32-true,bf16-mixed", "--isolate", "never",
+                   "--json", str(out), "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in results] == ["32-true", "bf16-mixed"]
+    assert results[0]["samples_per_s"] == pytest.approx(5 / results[0]["step_ms"] * 1e3)
+    bad = run_cli("bench", "--model", "mywork:wrong", "--quiet", cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "returned Linear; expected (torch.nn.Module, (inputs, targets))" in bad.stderr
+
+
+# --- bad values: exit 2, one line naming the value and the valid ones ----------------------
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--model", "vgg"], ["'vgg'", "valid: mlp, cnn, resnet18, gpt"]),
+    (["bench", "--policies", "32-true,fp12"], ["'fp12'", "valid:", "bf16-mixed", "fp8"]),
+    (["bench", "--policies", "fp8-blockwise"], ["'blockwise'", "tensorwise, delayed, rowwise"]),
+    (["bench", "--policies", "O0-bf16"], ["'O0-bf16'", "valid: O0"]),
+    (["bench", "--policies", "O2-fp32"], ["'fp32'", "valid:", "bf16"]),
+    (["bench", "--policies", "p=bf16,c=f32"], ["'p=bf16,c=f32'", "valid:"]),
+    (["bench", "--device", "tpu9"], ["'tpu9'", "valid: cpu"]),
+    (["bench", "--steps", "0"], ["--steps", "0"]),
+    (["bench", "--steps", "many"], ["'many'", "int"]),
+    (["bench", "--model", "mlp", "--compile", "--warmup", "0"], ["--warmup 0", "valid: --warmup 1"]),
+    (["bench", "--model", "no_such_module_xyz:make"], ["'no_such_module_xyz'", "valid:"]),
+    (["bench", "--model", "json:no_such_function"], ["'no_such_function'", "valid:"]),
+    (["bench", "--model", "json:"], ["package.module:function"]),
+    (["bench", "--isolate", "sometimes"], ["'sometimes'", "auto", "always", "never"]),
+    (["train", "--data", "mnist"], ["'mnist'", "digits", "cifar10", "synthetic"]),
+    (["train", "--data", "synthetic", "--model", "gpt"], ["'gpt'", "valid: mlp, cnn"]),
+    (["train", "--data", "synthetic", "--model", "resnet18"], ["3-channel", "cifar10"]),
+    (["train", "--data", "synthetic", "--policy", "bf17"], ["'bf17'", "valid:"]),
+    (["train", "--data", "synthetic", "--opt-level", "O4"], ["'O4'", "O0", "O3"]),
+    (["train", "--data", "cifar10"], ["--data-dir", "cifar-10-batches-py"]),
+    (["train", "--data", "cifar10", "--data-dir", "/no/such/dir"], ["'/no/such/dir'", "valid:"]),
+    (["train", "--data", "synthetic", "--resume"], ["--resume needs --checkpoint"]),
+    (["train", "--data", "synthetic", "--epochs", "0"], ["--epochs", "0"]),
+])
+def test_bad_values_exit_2_with_one_line(capsys, argv, words):
+    line = usage_error(capsys, *argv, "--quiet")
+    for word in words:
+        assert word in line, (word, line)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_names_the_valid_devices(capsys):
+    line = usage_error(capsys, "bench", "--device", "cuda")
+    assert "'cuda' is not available here" in line and "valid: cpu" in line
+
+
+def test_a_bad_value_shows_no_traceback_from_the_real_command():
+    proc = run_cli("bench", "--policies", "O9")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("ampkit bench: error: unknown policy 'O9'")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_digits_without_scikit_learn_says_how_to_get_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    line = usage_error(capsys, "train", "--data", "digits", "--epochs", "1")
+    assert "scikit-learn" in line and "--data synthetic" in line
+
+
+# --- policies ------------------------------------------------------------------------------
+def test_policy_list_splits_explicit_policies_and_resolves_opt_levels():
+    specs = parse_policy_list("32-true,p=f32,c=bf16,o=f32,p=bf16,fp8-delayed,O2,O1-fp16", "cpu")
+    assert [s.label for s in specs] == ["32-true", "p=f32,c=bf16,o=f32", "p=bf16",
+                                        "fp8-delayed", "O2", "O1-fp16"]
+    assert specs[1].policy.autocast and specs[1].policy.compute_dtype == torch.bfloat16
+    assert specs[2].policy.param_dtype == torch.bfloat16
+    assert specs[3].fp8_recipe == "delayed" and specs[3].policy.compute_dtype == torch.bfloat16
+    assert specs[4].policy.param_dtype == torch.bfloat16  # O2 on a CPU: its autocast dtype
+    assert specs[4].policy.master_weights
+    assert specs[5].policy.compute_dtype == torch.float16
+    assert [s.label for s in parse_policy_list("16-mixed;bf16-true", "cpu")] == ["16-mixed", "bf16-true"]
+    with pytest.raises(BenchError, match="no policy given in ','"):
+        parse_policy_list(",", "cpu")
+
+
+def test_loss_scaling_and_adam_eps_follow_the_policy():
+    assert scaler_mode(parse_policy("16-mixed", "cpu").policy) == "dynamic"
+    assert scaler_mode(parse_policy("O2", "cpu").policy) is None  # bf16: no scaling needed
+    assert scaler_mode(parse_policy("O2-fp16", "cpu").policy) == "dynamic"
+    assert scaler_mode(parse_policy("p=f16,c=f16,o=f32,scale=128", "cpu").policy) == 128.0
+    assert scaler_mode(parse_policy("32-true", "cpu").policy) is None
+    assert adam_eps(parse_policy("16-true", "cpu").policy) == 1e-4
+    assert adam_eps(parse_policy("O2-fp16", "cpu").policy) == 1e-8  # fp32 masters
+    assert adam_eps(parse_policy("bf16-true", "cpu").policy) == 1e-8
+
+
+# --- train ---------------------------------------------------------------------------------
+def _epochs(log: dict) -> list[dict]:
+    return [{k: v for k, v in record.items() if k != "time_s"} for record in log["epochs"]]
+
+
+@pytest.mark.parametrize("policy", ["32-true", "bf16-mixed", "O2-fp16", "16-true", "fp8"])
+def test_resume_continues_exactly(tmp_path, policy):
+    ckpt = str(tmp_path / "run.pt")
+    settings = TrainSettings(data="synthetic", policy=policy, epochs=2, batch_size=128)
+    whole = train(settings)
+    first = train(TrainSettings(**{**settings.__dict__, "epochs": 1}), checkpoint=ckpt)
+    resumed = train(settings, checkpoint=ckpt, resume=True)
+    assert resumed["resumed_from_epoch"] == 1 and first["final"]["epoch"] == 1
+    assert _epochs(resumed) == _epochs(whole)  # bitwise: loss, accuracy, scale, skips
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
+    ckpt = str(tmp_path / "run.pt")
+    train(TrainSettings(data="synthetic", policy="32-true", epochs=1, batch_size=256), checkpoint=ckpt)
+    with pytest.raises(TrainError, match="policy='32-true', this run has policy='bf16-mixed'"):
+        train(TrainSettings(data="synthetic", policy="bf16-mixed", epochs=2, batch_size=256),
+              checkpoint=ckpt, resume=True)
+    with pytest.raises(TrainError, match="no checkpoint at"):
+        train(TrainSettings(data="synthetic", epochs=2), checkpoint=ckpt + ".missing", resume=True)
+
+
+def test_train_command_checkpoint_and_resume_give_the_same_json(tmp_path):
+    ckpt, whole, resumed = (str(tmp_path / n) for n in ("c.pt", "whole.json", "resumed.json"))
+    common = ["train", "--data", "synthetic", "--opt-level", "O1", "--batch-size", "256", "--quiet"]
+    assert main([*common, "--epochs", "2", "--json", whole]) == 0
+    assert main([*common, "--epochs", "1", "--checkpoint", ckpt]) == 0
+    proc = run_cli(*common, "--epochs", "2", "--checkpoint", ckpt, "--resume", "--json", resumed)
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed after epoch 1" in proc.stdout and "epoch   2/2" in proc.stdout
+    a, b = json.loads(Path(whole).read_text()), json.loads(Path(resumed).read_text())
+    assert _epochs(a) == _epochs(b) and a["final"]["test_acc"] == b["final"]["test_acc"]
+    # O1 on a CPU is bf16 autocast; bf16 needs no loss scaling, so none is done.
+    assert b["resolved_policy"].startswith("p=f32,c=bf16,o=f32,autocast=1")
+    assert b["loss_scaling"] == "off" and b["environment"]["device"] == "cpu"
+
+
+@needs_sklearn
+def test_every_policy_ends_within_one_point_of_fp32_on_digits():
+    accuracy = {}
+    for policy in ("32-true", "bf16-mixed", "16-mixed", "O2", "O2-fp16", "O3", "16-true",
+                   "bf16-true", "fp8"):
+        log = train(TrainSettings(data="digits", policy=policy, epochs=10))
+        accuracy[policy] = log["final"]["test_acc"]
+    reference = accuracy.pop("32-true")
+    assert reference > 0.94
+    assert {p: a for p, a in accuracy.items() if abs(a - reference) > 0.01} == {}, (reference, accuracy)
