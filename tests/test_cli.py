@@ -21,6 +21,7 @@ from ampkit.bench import report
 from ampkit.bench.runner import (BenchError, BenchSettings, adam_eps, parse_policy,
                                  parse_policy_list, run_policy, scaler_mode)
 from ampkit.bench.train import TrainError, TrainSettings, train
+from ampkit._dtypes import recommend_policy
 from ampkit.cli import main
 
 SRC = str(Path(ampkit.__file__).resolve().parent.parent)
@@ -55,7 +56,8 @@ def test_version_help_and_info_run_as_a_user_would():
     assert info.returncode == 0, info.stderr
     assert f"torch {torch.__version__}" in info.stdout
     assert "device: cpu" in info.stdout and "native bf16:" in info.stdout
-    assert "recommended policy: " in info.stdout and "(" in info.stdout.split("recommended")[1]
+    policy, reason = recommend_policy("cpu")
+    assert f"recommended policy: {policy} ({reason})" in info.stdout
 
 
 def test_help_of_each_command(capsys):
@@ -73,6 +75,7 @@ def test_bench_json_has_every_field_and_compares_to_the_first(tmp_path):
                    "--isolate", "never", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "bf16-mixed" in proc.stdout and "Peak memory:" in proc.stdout
+    assert "its peak RSS is understated (--isolate always" in proc.stdout
     doc = json.loads(out.read_text())
     assert (doc["device"], doc["torch"], doc["ampkit"]) == ("cpu", torch.__version__,
                                                            ampkit.__version__)
@@ -152,6 +155,37 @@ def test_user_workload_from_the_current_directory(tmp_path):
     bad = run_cli("bench", "--model", "mywork:wrong", "--quiet", cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "returned Linear; expected (torch.nn.Module, (inputs, targets))" in bad.stderr
+
+
+def test_user_workload_without_a_batch_size_parameter(capsys, tmp_path, monkeypatch):
+    (tmp_path / "fixed.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Linear(4, 2), "
+        "(torch.randn(3, 4), torch.randn(3, 2))\n")
+    monkeypatch.chdir(tmp_path)
+    line = usage_error(capsys, "bench", "--model", "fixed:make", "--batch-size", "5")
+    assert "--batch-size 5 given, but model 'fixed:make' takes no batch_size keyword" in line
+
+
+def _document(native_bf16: bool, speedup: float) -> dict:
+    row = {"policy": "32-true", "half_dtype": None, "speedup": 1.0, "mem_ratio": 1.0,
+           "max_loss_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0, "losses": [1.0],
+           "memory_method": "process peak RSS"}
+    half = dict(row, policy="bf16-mixed", half_dtype="bfloat16", speedup=speedup,
+                max_loss_dev=0.001)
+    env = {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
+           "native": {"bf16": native_bf16, "fp16": False, "fp8": False}}
+    return {"environment": env, "results": [row, half], "workload": "w",
+            "settings": {"steps": 3, "warmup": 1}}
+
+
+def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
+    no_hardware = " ".join(report.bench_verdict(_document(False, 0.3)))
+    assert "bf16-mixed: 0.30× the speed of 32-true (slower)" in no_hardware
+    assert "no half-precision arithmetic" in no_hardware
+    with_hardware = " ".join(report.bench_verdict(_document(True, 0.5)))
+    assert "although it has native half-precision instructions" in with_hardware
+    faster = " ".join(report.bench_verdict(_document(True, 1.5)))
+    assert "1.50× the speed of 32-true (faster)" in faster and "ran slower" not in faster
 
 
 # --- bad values: exit 2, one line naming the value and the valid ones ----------------------

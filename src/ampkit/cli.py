@@ -75,9 +75,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     cap = capability(device)
     policy, reason = recommend_policy(device)
     fp8 = fp8_supported(device)
-    cuda = torch.version.cuda or "none (CPU build)"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
     print(f"ampkit {__version__}")
-    print(f"torch {torch.__version__} (CUDA {cuda})")
+    print(f"torch {torch.__version__} ({build})")
     print(f"device: {cap.device} ({cap.name})")
     print(f"native bf16: {_yes(cap.bf16)}   native fp16: {_yes(cap.fp16)}   "
           f"fp8 matmuls: {'yes' if fp8 else 'no (ampkit emulates them here: same numerics, slower)'}")
@@ -206,7 +206,13 @@ Policies: 32-true/fp32, 16-mixed, bf16-mixed, 16-true, bf16-true, O0-O3 (half dt
 the device's autocast default, or a suffix: O2-bf16, O1-fp16), fp8 (fp8-tensorwise,
 fp8-delayed, fp8-rowwise: Linear layers in fp8 under bf16 autocast), or explicit
 "p=f32,c=bf16,o=f32". Default: 32-true,bf16-mixed,O2 on a CPU; 32-true,16-mixed,
-bf16-mixed,O2 (+fp8 where supported) on CUDA."""
+bf16-mixed,O2 (+fp8 where supported) on CUDA.
+
+Reading the table: step ms is the median over the timed steps (IQR ms its spread);
+speedup and mem × are relative to the first policy (above 1×: faster; below 1: less
+memory); max |Δloss| is the largest difference of the per-step training loss from the
+first policy's (warm-up steps included). The lines under the table say the same in
+words, including when half precision is slower on this device and why."""
 
 _TRAIN_HELP = """\
 Train a classifier with any policy or opt level, with test accuracy per epoch.
@@ -234,14 +240,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _common(p: argparse.ArgumentParser, model_default: str) -> None:
+def _common(p: argparse.ArgumentParser, models: str, model_default: str) -> None:
     p.add_argument("--model", default=model_default, metavar="NAME",
-                   help=f"model (default: {model_default})")
-    p.add_argument("--batch-size", type=int, metavar="N", help="samples per step")
+                   help=f"{models} (default: {model_default})")
+    p.add_argument("--batch-size", type=int, metavar="N", help="samples per step (default: "
+                   "the model's for the device)" if model_default == "gpt" else
+                   "samples per step (default 64)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': stdout, "
-                   "and the table goes to stderr)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': to "
+                   "stdout, and the human-readable output to stderr)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (also off when "
                    "stdout is not a terminal)")
 
@@ -249,7 +257,7 @@ def _common(p: argparse.ArgumentParser, model_default: str) -> None:
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="compare precision policies side by side on one model",
                        description=_BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(p, "gpt")
+    _common(p, "mlp, cnn, resnet18, gpt, or package.module:function", "gpt")
     p.set_defaults(handler=cmd_bench)
     p.add_argument("--policies", action="append", metavar="LIST",
                    help="comma-separated policies, the first is the reference (repeatable; "
@@ -271,7 +279,7 @@ def _add_train(sub: Any) -> None:
 
     p = sub.add_parser("train", help="train a classifier with a policy or opt level",
                        description=_TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(p, "mlp")
+    _common(p, "mlp, cnn, resnet18, or package.module:function", "mlp")
     p.set_defaults(handler=cmd_train, batch_size=64)
     p.add_argument("--data", default="digits", choices=DATASETS, help="dataset (default digits)")
     p.add_argument("--data-dir", metavar="DIR", help="folder holding cifar-10-batches-py")

@@ -36,10 +36,25 @@ def environment(device: str) -> dict[str, Any]:
     """Versions, device and what it runs natively, as stored in every JSON document."""
     cap = capability(device)
     policy, reason = recommend_policy(device)
-    return {"ampkit": __version__, "torch": torch.__version__, "device": cap.device,
-            "device_name": cap.name,
-            "native": {"bf16": cap.bf16, "fp16": cap.fp16, "fp8": fp8_supported(device)},
-            "recommended_policy": policy, "recommended_reason": reason}
+    env = {"ampkit": __version__, "torch": torch.__version__, "device": cap.device,
+           "device_name": cap.name,
+           "native": {"bf16": cap.bf16, "fp16": cap.fp16, "fp8": fp8_supported(device)},
+           "recommended_policy": policy, "recommended_reason": reason}
+    if torch.device(device).type == "cuda":
+        env["fp32_math"] = fp32_math()
+    return env
+
+
+def fp32_math() -> str:
+    """How torch runs "fp32" on CUDA right now (its defaults are left as they are).
+
+    torch's defaults: fp32 matmuls in full fp32, but cuDNN convolutions in TF32 — so an
+    fp32 CNN row on an Ampere+ GPU already has TF32 convolutions in it.
+    """
+    conv = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None)
+    conv_tf32 = conv == "tf32" if conv is not None else bool(torch.backends.cudnn.allow_tf32)
+    return (f"matmul precision {torch.get_float32_matmul_precision()!r} (TF32 unless 'highest'), "
+            f"cuDNN convolutions {'TF32' if conv_tf32 else 'fp32'}")
 
 
 def write_json(document: dict[str, Any], path: str) -> None:
@@ -79,8 +94,11 @@ class Progress:
         if self.enabled and have_rich():
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
                                        TextColumn, TimeElapsedColumn)
+            # Redrawn twice a second: the drawing thread takes the GIL from the loop that
+            # launches the kernels, so it should take it rarely.
             self._rich = RichProgress(TextColumn("{task.description:>18}"), BarColumn(),
-                                      MofNCompleteColumn(), TimeElapsedColumn(), transient=True)
+                                      MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                                      refresh_per_second=2)
             self._rich.start()
         return self
 
@@ -181,6 +199,8 @@ def bench_verdict(document: dict[str, Any]) -> list[str]:
              f"Workload: {document['workload']}; {document['settings']['steps']} timed steps after "
              f"{document['settings']['warmup']} warm-up steps; speedup and memory relative to "
              f"{ref['policy']}."]
+    if "fp32_math" in env:
+        lines.append(f"fp32 on this GPU (torch's settings): {env['fp32_math']}.")
     lines += [_policy_sentence(r, ref) for r in results[1:]]
     slower = [r["policy"] for r in results[1:] if r["half_dtype"] and (r["speedup"] or 0) < 1]
     if slower and env["device"] == "cpu":
@@ -192,6 +212,10 @@ def bench_verdict(document: dict[str, Any]) -> list[str]:
             lines.append(f"{r['policy']}: {r['nonfinite_losses']} of {len(r['losses'])} losses "
                          "were inf/NaN: this policy does not train this model as it is.")
     lines.append(f"Peak memory: {ref['memory_method']}.")
+    if env["device"] == "cpu" and not document["settings"].get("process_per_policy", True):
+        lines.append("All policies ran in one process: a later policy reuses heap memory an "
+                     "earlier one freed, so its peak RSS is understated (--isolate always "
+                     "measures each in a fresh process).")
     return lines
 
 
@@ -242,25 +266,30 @@ def require_matplotlib(path: str) -> None:
 
 
 def write_bench_plot(document: dict[str, Any], path: str) -> None:
-    """PNG with three panels: step time (median, IQR bars), peak memory, loss curves."""
+    """PNG with four panels: step time (median, IQR bars), peak memory, loss curves, and
+    each loss curve minus the first policy's (the curves themselves often overlap)."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     results = document["results"]
     labels = [r["policy"] for r in results]
-    fig, (ax_time, ax_mem, ax_loss) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (ax_time, ax_mem, ax_loss, ax_dev) = plt.subplots(1, 4, figsize=(19, 4.5))
     ax_time.bar(labels, [r["step_ms"] for r in results],
                 yerr=[r["step_ms_iqr"] / 2 for r in results], capsize=4)
     ax_time.set_ylabel("median step time (ms), IQR bars")
     ax_mem.bar(labels, [r["peak_mem_mib"] for r in results], color="tab:orange")
     ax_mem.set_ylabel("peak memory (MiB)")
+    ref = [float("nan") if v is None else v for v in results[0]["losses"]]
     for r in results:
-        steps = range(1, len(r["losses"]) + 1)
-        ax_loss.plot(steps, [float("nan") if v is None else v for v in r["losses"]], label=r["policy"])
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss")
-    ax_loss.legend()
+        losses = [float("nan") if v is None else v for v in r["losses"]]
+        steps = range(1, len(losses) + 1)
+        ax_loss.plot(steps, losses, label=r["policy"])
+        ax_dev.plot(steps, [a - b for a, b in zip(losses, ref)], label=r["policy"])
+    for ax, label in ((ax_loss, "training loss"), (ax_dev, f"loss − {labels[0]}'s loss")):
+        ax.set_xlabel("step (warm-up included)")
+        ax.set_ylabel(label)
+        ax.legend()
     for ax in (ax_time, ax_mem):
         ax.tick_params(axis="x", rotation=30)
     env = document["environment"]

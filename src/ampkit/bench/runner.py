@@ -393,6 +393,9 @@ def build(spec: PolicySpec, settings: BenchSettings, workload: Workload,
     model, optimizer = precision.setup(workload.build(), adamw_factory(spec.policy, settings.lr))
     model.train()
     if settings.compile:
+        # Each policy compiles afresh: dynamo's caches from an earlier policy's model (same
+        # forward code) would count towards its recompile limit and could fall back to eager.
+        torch._dynamo.reset()
         model = torch.compile(model)  # type: ignore[assignment]
     return model, optimizer, precision
 

@@ -305,15 +305,23 @@ def call_user_function(spec: str, batch_size: Optional[int]) -> Any:
     func = load_user_function(spec)
     kwargs: dict[str, Any] = {}
     if batch_size is not None:
-        try:
-            if "batch_size" in inspect.signature(func).parameters:
-                kwargs["batch_size"] = batch_size
-        except (TypeError, ValueError):  # builtins without a signature
-            pass
+        if not _takes_batch_size(func):
+            raise WorkloadError(f"--batch-size {batch_size} given, but model {spec!r} takes no "
+                                "batch_size keyword; valid: leave out --batch-size, or add "
+                                "a batch_size parameter to the function")
+        kwargs["batch_size"] = batch_size
     try:
         return func(**kwargs)
     except Exception as err:
         raise WorkloadError(f"model {spec!r}: calling it raised {type(err).__name__}: {err}") from None
+
+
+def _takes_batch_size(func: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "batch_size" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def user_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
