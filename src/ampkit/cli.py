@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
     document = _bench_document(results, settings, workload.description, isolate, device)
     report.render_table(f"ampkit bench: {workload.description} on {device}", report.BENCH_HEADERS,
-                        report.bench_rows(results), out)
+                        report.bench_rows(results), out, report.BENCH_LEFT)
     for line in document["verdict"]:
         print(line, file=out)
     if args.json:
