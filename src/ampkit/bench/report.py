@@ -245,9 +245,9 @@ def _cpu_slowdown(slower: list[str], native: dict[str, bool]) -> str:
                 "half-precision arithmetic (no AVX512-BF16/AMX): expected here, and no "
                 "guide to a GPU, where half precision is what tensor cores are built for.")
     return (f"{', '.join(slower)} ran slower than fp32 on this CPU although it has native "
-            "half-precision instructions: at these sizes the casts and per-op overheads cost "
-            "more than the faster matmuls save. These are this machine's measured numbers; "
-            "a GPU behaves differently.")
+            "half-precision instructions: at sizes this small, casts and per-op overheads can "
+            "cost more than the faster matmuls save. These are this machine's measured "
+            "numbers; a GPU behaves differently.")
 
 
 def _fp8_sentence(r: dict[str, Any], native_fp8: bool) -> str:
