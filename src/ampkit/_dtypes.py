@@ -139,6 +139,7 @@ def recommend_policy(device: Optional[str] = None) -> tuple[str, str]:
     if kind == "cuda" and cap.fp16:
         return "16-mixed", "fp16 tensor cores but no bf16: autocast fp16 with dynamic loss scaling"
     if kind == "cpu" and cap.bf16:
-        return "bf16-mixed", "this CPU has bf16 instructions (AVX512-BF16/AMX), so bf16 matmuls are fast"
+        return "bf16-mixed", ("this CPU has bf16 instructions (AVX512-BF16/AMX): large bf16 matmuls "
+                              "run faster than fp32, small models may not gain (`ampkit bench` measures it)")
     return "32-true", ("no native bf16/fp16 arithmetic on this device: half-precision matmuls "
                        "run many times slower than fp32 here")
