@@ -526,11 +526,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
 
 def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
-    """The loss scalers' state: ``{"loss_scaler0": {"loss_scale", "unskipped", "scaler"}, ...}``.
+    """The loss scalers' state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
 
-    ``loss_scale`` and ``unskipped`` (clean steps since the scale last changed) are apex's
-    keys; ``scaler`` is the full GradScaler state, so a resumed run continues bitwise.
-    Empty when not initialized or disabled. Syncs with the device.
+    Exactly apex's format: ``loss_scale`` and ``unskipped`` (clean steps since the scale
+    last changed, the growth tracker) are the whole of a loss scaler's evolving state, so
+    a resumed run continues bitwise; the settings come from ``initialize``. Empty when not
+    initialized or disabled. Syncs with the device.
 
     Example:
         >>> torch.save({"amp": state_dict()}, "ckpt.pt")  # doctest: +SKIP
@@ -541,12 +542,12 @@ def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
     for i, scaler in enumerate(_amp.scalers):
         full = scaler.state_dict()
         result[f"loss_scaler{i}"] = {"loss_scale": float(full["scale"]),
-                                     "unskipped": int(full["_growth_tracker"]), "scaler": full}
+                                     "unskipped": int(full["_growth_tracker"])}
     return result
 
 
 def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
-    """Restore the loss scalers from :func:`state_dict` (apex's two-key entries work too).
+    """Restore the loss scalers from :func:`state_dict` or an apex.amp checkpoint.
 
     Example:
         >>> load_state_dict(torch.load("ckpt.pt")["amp"])  # doctest: +SKIP
@@ -567,12 +568,10 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
 
 
 def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
-    if isinstance(entry, dict) and isinstance(entry.get("scaler"), dict):
-        return entry["scaler"]
     if not (isinstance(entry, dict) and "loss_scale" in entry and "unskipped" in entry):
         raise ValueError(f"amp state_dict[{key!r}] is {entry!r}; valid: a dict with 'loss_scale' "
-                         "and 'unskipped' (and optionally 'scaler')")
-    # An apex checkpoint: the scale and the clean-step count; settings stay this scaler's.
+                         "and 'unskipped'")
+    # The scale and the clean-step count; settings (bounds, interval) stay this scaler's.
     return {"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"],
             "growth_factor": scaler.get_growth_factor(),
             "backoff_factor": scaler.get_backoff_factor(),
