@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Every GPU check of ampkit in one prepared run, for a session lent the H200.
+#
+#   bash benchmarks/gpu_session.sh [PART ...]      (default: all parts, in this order)
+#
+# Parts and rough H200 budgets (estimates until a first run replaces them):
+#   tests      pytest -m gpu: the CUDA cases of the suite             ~1.5 min
+#   autocast   benchmarks/bench_autocast.py --device cuda               ~0.5 min
+#   scaler     benchmarks/bench_scaler.py --device cuda                 ~0.5 min
+#   optlevels  benchmarks/bench_optlevels.py (GPT + ResNet-50)          ~2.5 min
+#   fp8        benchmarks/bench_fp8.py --only gemm,mlp (compiled)       ~4 min
+#   bench      ampkit bench on the GPT default, JSON + plot             ~1.5 min
+# Each part runs under its own timeout so one slow part cannot eat the lease; results
+# (JSON, logs, PNG) go to $OUT (the device tool's folder) or out/ here. torchao 0.17 for
+# the fp8 reference must travel as a wheel in .whl/ (see the device tool's README); the
+# script installs it from there when present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-out}"
+mkdir -p "$out"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests autocast scaler optlevels fp8 bench)
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+run_part() {  # name, timeout seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date +%T)"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    echo "=== $name exit ${PIPESTATUS[0]}"
+}
+
+for part in "${parts[@]}"; do
+    case $part in
+        tests) run_part tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+        autocast) run_part autocast 60 python3 benchmarks/bench_autocast.py --device cuda \
+            --json "$out/bench_autocast.json" ;;
+        scaler) run_part scaler 90 python3 benchmarks/bench_scaler.py --device cuda \
+            --json "$out/bench_scaler.json" ;;
+        optlevels) run_part optlevels 240 python3 benchmarks/bench_optlevels.py --device cuda \
+            --json "$out/bench_optlevels.json" ;;
+        fp8) run_part fp8 300 python3 benchmarks/bench_fp8.py --device cuda --only gemm,mlp \
+            --json "$out/bench_fp8.json" ;;
+        bench) run_part bench 150 python3 -m ampkit.cli bench --device cuda --quiet \
+            --json "$out/bench_gpt.json" --plot "$out/bench_gpt.png" ;;
+        *) echo "unknown part '$part'; valid: tests autocast scaler optlevels fp8 bench"; exit 2 ;;
+    esac
+done
