@@ -86,7 +86,9 @@ def parse_policy(name: str, device_type: str) -> PolicySpec:
     try:
         policy = get_policy(label)
     except (ValueError, TypeError) as err:
-        raise BenchError(f"unknown policy {label!r} ({err}); valid: {valid_policies()}") from None
+        if "=" in label:  # an explicit policy: the parser's message names the bad part
+            raise BenchError(f"bad policy {label!r}: {err}") from None
+        raise BenchError(f"unknown policy {label!r}; valid: {valid_policies()}") from None
     _check_runnable(label, policy)
     return PolicySpec(label, policy)
 
