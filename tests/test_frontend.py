@@ -598,3 +598,41 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
         load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
                          "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
     assert _scale(0) == 1024.0  # nothing loaded from the rejected dicts
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_fused_optimizer_skips_an_overflow_on_the_device_without_a_host_sync(level, dtype,
+                                                                             monkeypatch):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    initialize(model, optimizer, opt_level=level, half_dtype=dtype)
+    _step(model, optimizer, 0)
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in master_params(optimizer)]
+    state = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+    _step(model, optimizer, 1, overflow=True)
+    monkeypatch.undo()
+    assert reads == []
+    assert _scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(masters, master_params(optimizer)))
+    assert all(torch.equal(v, optimizer.state_dict()["state"][0][k]) for k, v in state.items())
+    _step(model, optimizer, 2)  # the next clean step runs, and counts as the second step
+    assert not torch.equal(params[0], model[0].weight)
+    assert optimizer.state_dict()["state"][0]["step"].item() == 2.0
+    assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
+
+
+def test_fused_overflow_is_still_logged_when_the_logger_listens(caplog):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    initialize(model, optimizer, opt_level="O1", verbosity=2)
+    caplog.set_level(logging.WARNING, logger="ampkit")
+    _step(model, optimizer, 0, overflow=True)
+    assert any("Gradient overflow" in r.getMessage() for r in caplog.records)

@@ -50,6 +50,9 @@ class _OptimizerAmp:
     """What ``scale_loss`` tracks per optimizer (kept on the optimizer itself)."""
 
     skip_next: bool = False  # an overflow: the next step() is a no-op
+    # Fused optimizers: the overflow flag stays on the device and the fused kernel skips
+    # the update itself, so scale_loss needs no host sync.
+    found_inf: Optional[Tensor] = None
     grads_unscaled: bool = False  # .grad holds unscaled values (a non-delayed scale_loss ran)
     stash: Optional[list[Optional[Tensor]]] = None  # those values, set aside during a backward
 
@@ -187,6 +190,8 @@ def _install_step_guard(optimizer: torch.optim.Optimizer) -> None:
             amp_state.skip_next = False
             self.zero_grad(set_to_none=True)
             return None
+        if amp_state.found_inf is not None:
+            return _fused_step(self, step, amp_state, args, kwargs)
         return step(*args, **kwargs)
 
     def guarded_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -197,6 +202,21 @@ def _install_step_guard(optimizer: torch.optim.Optimizer) -> None:
     # Bound methods, as LRScheduler re-wraps ``optimizer.step.__func__``.
     optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(guarded_zero_grad, optimizer)  # type: ignore[method-assign]
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, step: Any, amp_state: _OptimizerAmp,
+                args: tuple, kwargs: dict) -> Any:
+    """Step a fused optimizer that reads found_inf on the device (as torch's GradScaler does).
+
+    The grads are unscaled already (grad_scale None); a non-zero found_inf makes the fused
+    kernel leave params and state untouched, including the step count.
+    """
+    found_inf, amp_state.found_inf = amp_state.found_inf, None
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+    try:
+        return step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
 
 
 # --- initialize: argument checks ----------------------------------------------------------
@@ -352,8 +372,12 @@ def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     params, masters and state stay as they are; their grads are dropped). Several
     scale_loss calls before one step accumulate: each unscales its own backward's grads.
 
-    Host syncs: one per call with a dynamic scale (reading the overflow flag, as apex
-    did), none with a fixed scale or ``delay_overflow_check``.
+    Host syncs: none when every optimizer is fused (``fused=True`` Adam/AdamW/SGD: the
+    overflow flag stays on the device and the fused kernel skips the update, as with
+    torch's GradScaler) unless the ``ampkit`` logger is enabled at the overflow message's
+    level; otherwise one per call with a dynamic scale (reading the overflow flag, as apex
+    did); none with a fixed scale or ``delay_overflow_check``. A skipped fused step keeps
+    its (inf/NaN) grads until the next ``zero_grad``.
 
     Args:
         loss: the loss tensor (any dtype; the scaled loss is fp32).
@@ -477,16 +501,30 @@ def _restore_stash(optimizer: torch.optim.Optimizer) -> None:
 def _update(scaler: GradScaler, found_inf: Tensor, optimizers: list[torch.optim.Optimizer],
             loss_id: int, log_level: int) -> None:
     scaler._apply_update(found_inf)
-    # The one host sync of scale_loss (apex had it too): Python must know now whether the
-    # next optimizer.step() runs.
-    if not found_inf.item():
-        return
-    for optimizer in optimizers:
-        getattr(optimizer, _OPT_ATTR).skip_next = True
+    if all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
+        # Fused optimizers skip on the device: no host sync unless the log wants the answer.
+        for optimizer in optimizers:
+            _hold_found_inf(getattr(optimizer, _OPT_ATTR), found_inf)
+        if not (logger.isEnabledFor(log_level) and found_inf.item()):
+            return
+    else:
+        # The one host sync of scale_loss with plain optimizers (apex had it too): Python
+        # must know now whether the next optimizer.step() runs.
+        if not found_inf.item():
+            return
+        for optimizer in optimizers:
+            getattr(optimizer, _OPT_ATTR).skip_next = True
     if logger.isEnabledFor(log_level):
         names = ", ".join(type(opt).__name__ for opt in optimizers)
         logger.log(log_level, "Gradient overflow: skipping the next step() of %s; loss scaler %d "
                    "now at %g", names, loss_id, scaler.get_scale())
+
+
+def _hold_found_inf(amp_state: _OptimizerAmp, found_inf: Tensor) -> None:
+    """Keep the overflow flag for the next fused step (several losses: any overflow skips)."""
+    flag = found_inf.detach().reshape(())
+    held = amp_state.found_inf
+    amp_state.found_inf = flag.clone() if held is None else torch.maximum(held, flag.to(held.device))
 
 
 def _require_initialized() -> _AmpState:
