@@ -584,3 +584,13 @@ def test_setters_validate_and_keep_the_old_value():
         scaler.set_growth_interval(-1)
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
             scaler.get_growth_interval()) == (3.0, 0.25, 10)
+
+
+def test_process_group_must_be_a_process_group():
+    with pytest.raises(TypeError, match=r"process_group='world' is not a torch.distributed "
+                                        r"ProcessGroup; valid: None, or a group"):
+        GradScaler("cpu", process_group="world")
+    scaler = GradScaler("cpu")
+    with pytest.raises(TypeError, match="process_group=3 is not"):
+        scaler.process_group = 3
+    assert scaler.process_group is None

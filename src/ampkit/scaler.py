@@ -125,6 +125,18 @@ def _bounds(min_scale: Any, max_scale: Any) -> tuple[Optional[float], Optional[f
     return low, high
 
 
+def _check_group(group: Any) -> Any:
+    """None or a torch.distributed ProcessGroup (checked now, not at the first collective)."""
+    if group is None:
+        return None
+    dist = torch.distributed
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"process_group={group!r} is not a torch.distributed ProcessGroup; valid: "
+                    "None, or a group such as torch.distributed.group.WORLD or the result of "
+                    "torch.distributed.new_group()")
+
+
 def _infer_device() -> str:
     """The device type used when none is given: the active initialize's, else cuda/cpu."""
     return inferred_device_type()
@@ -291,7 +303,7 @@ class GradScaler:
             warnings.warn("ampkit.GradScaler is enabled, but CUDA is not available.  Disabling.",
                           stacklevel=2)
             self._enabled = False
-        self._process_group = process_group
+        self._process_group = _check_group(process_group)
         self._init_scale = self._clamp(init)
         self._init_growth_tracker = 0
         self._init_skipped_steps = 0
@@ -664,7 +676,7 @@ class GradScaler:
 
     @process_group.setter
     def process_group(self, group: Any) -> None:
-        self._process_group = group
+        self._process_group = _check_group(group)
 
     # --- statistics -----------------------------------------------------------------------------
     def stats(self) -> ScalerStats:
