@@ -530,7 +530,7 @@ def test_load_state_dict_bad_input_changes_nothing():
 
 def test_pickle_round_trip_and_mid_iteration_refusal():
     scaler = _trained(hysteresis=2)
-    scaler.process_group = object()
+    scaler._process_group = object()  # stands for a live, unpicklable group
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.state_dict() == scaler.state_dict() and clone.process_group is None
     assert clone._scale is None and clone.hysteresis == 2
