@@ -15,7 +15,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampkit
