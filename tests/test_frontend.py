@@ -636,3 +636,11 @@ def test_fused_overflow_is_still_logged_when_the_logger_listens(caplog):
     caplog.set_level(logging.WARNING, logger="ampkit")
     _step(model, optimizer, 0, overflow=True)
     assert any("Gradient overflow" in r.getMessage() for r in caplog.records)
+
+
+def test_load_state_dict_of_a_non_dict_is_a_type_error():
+    model = _model()
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1")
+    with pytest.raises(TypeError, match=r"amp state_dict must be a dict .* got list \[1\]; "
+                                        r"valid: a dict with keys \['loss_scaler0'\]"):
+        load_state_dict([1])

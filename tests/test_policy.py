@@ -116,3 +116,8 @@ def test_bad_types():
 def test_with_half_dtype_rejects_non_half():
     with pytest.raises(ValueError, match="half_dtype.*float32.*valid"):
         get_policy("O2").with_half_dtype(torch.float32)
+
+
+def test_a_key_given_twice_is_refused():
+    with pytest.raises(ValueError, match=r"sets param_dtype twice \(item 'p=bf16'\)"):
+        get_policy("p=f32,p=bf16,c=bf16,o=f32")

@@ -116,7 +116,7 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     model_list = _check_models(models)
     opt_list = _check_optimizers(optimizers)
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        raise TypeError(f"enabled must be a bool, got {enabled!r}; valid: True, False")
     level = _check_opt_level(opt_level)
     count = _check_count("num_losses", num_losses, 1)
     log_level = _LEVELS[min(_check_count("verbosity", verbosity, 0), 2)]
@@ -594,9 +594,11 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     if not amp.enabled:
         return
     expected = [f"loss_scaler{i}" for i in range(len(amp.scalers))]
-    if not isinstance(state, dict) or sorted(state) != sorted(expected):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"amp state_dict has keys {got}; valid: exactly {expected} "
+    if not isinstance(state, dict):
+        raise TypeError(f"amp state_dict must be a dict such as ampkit.state_dict() returns, got "
+                        f"{type(state).__name__} {state!r}; valid: a dict with keys {expected}")
+    if sorted(state) != sorted(expected):
+        raise ValueError(f"amp state_dict has keys {sorted(state)}; valid: exactly {expected} "
                          f"(num_losses={len(amp.scalers)} in initialize)")
     full = [_scaler_state(key, state[key], scaler) for key, scaler in zip(expected, amp.scalers)]
     for scaler, entry in zip(amp.scalers, full):

@@ -173,6 +173,9 @@ def _parse_explicit(text: str) -> Policy:
         if not sep or attr is None:
             raise ValueError(f"bad policy item {item!r} in {text!r}; valid keys: "
                              f"{', '.join(sorted(set(_KEYS)))}")
+        if attr in fields:
+            raise ValueError(f"policy {text!r} sets {attr} twice (item {item.strip()!r}); "
+                             "valid: each key at most once")
         fields[attr] = _parse_value(attr, value.strip(), text)
     return _with_cascading_defaults(fields)
 
