@@ -68,9 +68,19 @@ def fp8_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, native: bool,
         out = _scaled_mm(a, b, gemm_dtype, fast_accum)
     else:
         # Scales applied to the fp32 accumulator, as the GEMM epilogue does.
-        out = torch.mm(a.data.float(), b.data.float()) * (a.inv_scale * b.inv_scale)
-        out = out.to(gemm_dtype)
-    return out.to(out_dtype)
+        out = _to(torch.mm(a.data.float(), b.data.float()) * (a.inv_scale * b.inv_scale),
+                  gemm_dtype)
+    return _to(out, out_dtype)
+
+
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, but never a no-op ``.to`` returning ``t`` itself.
+
+    torch 2.11's dynamo mistraces an autograd.Function whose output is such an alias of
+    an intermediate: the gradient reaching backward is all zeros (weight grads of 0 under
+    torch.compile). Skipping the no-op call keeps the graph plain on every version.
+    """
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _scaled_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
