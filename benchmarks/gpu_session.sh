@@ -12,8 +12,13 @@
 #   bench      ampkit bench on the GPT default, JSON + plot             ~1.5 min
 # Each part runs under its own timeout so one slow part cannot eat the lease; results
 # (JSON, logs, PNG) go to $OUT (the device tool's folder) or out/ here. torchao 0.17 for
-# the fp8 reference must travel as a wheel in .whl/ (see the device tool's README); the
-# script installs it from there when present.
+# the fp8 reference must travel as a wheel in .whl/ (ignored by git; name it in the
+# device call's carry); the script installs it from there when present. Fetch it with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.17.0
+# (torchao-0.17.0-cp310-abi3-manylinux_2_24/2_28_x86_64, 3.2 MB; checked 2026-11-30).
+# The suite and every script below also ran under torch 2.11.0 (the H200's version) on
+# a CPU on 2026-11-30.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
