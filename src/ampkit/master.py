@@ -61,6 +61,16 @@ def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
                       weakref.ref(owner))
 
 
+def _grads_reduced_after_backward() -> bool:
+    """True in a distributed run, where DDP-style wrappers read ``param.grad`` after it is
+    accumulated (and write the all-reduced gradient back later): there the half gradient
+    must stay in place until backward ends, so the move to the masters waits for
+    :meth:`MasterWeights.sync_grads` (which scale_loss, GradScaler.unscale_ and step call).
+    """
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
 class MasterWeights:
     """The model/master parameter pairs of one optimizer, and the moves between them."""
 
@@ -97,6 +107,8 @@ class MasterWeights:
 
     def _grad_hook(self, master: Tensor) -> Callable[[Tensor], None]:
         def move_grad(param: Tensor) -> None:
+            if _grads_reduced_after_backward():
+                return  # DDP/FSDP still reduce param.grad: sync_grads moves it afterwards
             self._accumulate(master, param.grad)
             param.grad = None  # the half gradient is freed as soon as it is consumed
         return move_grad

@@ -1,0 +1,107 @@
+"""O2 under DistributedDataParallel: two CPU processes on gloo train one model together.
+
+DDP reads ``param.grad`` after it is accumulated and writes the all-reduced gradient
+back at the end of backward, so the masters must receive the reduced gradient, not the
+local one (apex O2 + DDP was the usual multi-GPU setup).
+"""
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import ampkit as amp
+from ampkit.master import master_weights_of
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+LOOPS = ("scale_loss", "gradscaler")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+
+
+def _local_master_grads(rank: int, step_state: dict, half: torch.dtype) -> list[torch.Tensor]:
+    """This rank's own (unreduced) master gradients for the same weights and batch."""
+    model = _model()
+    model.load_state_dict(step_state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, loss_scale=1.0)
+    model(_batch(rank, 0)).float().pow(2).mean().backward()
+    master_weights_of(opt).sync_grads()  # no DDP here: the local gradient
+    return [p.grad.clone() for p in amp.master_params(opt)]
+
+
+def _train(rank: int, loop: str, half: torch.dtype) -> dict:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ddp = nn.parallel.DistributedDataParallel(model)
+    scaler = amp.GradScaler("cpu") if loop == "gradscaler" else None
+    grads = None
+    for step in range(3):
+        opt.zero_grad()
+        loss = ddp(_batch(rank, step)).float().pow(2).mean()
+        if scaler is None:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        if step == 0:
+            grads = [p.grad.clone() for p in amp.master_params(opt)]
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    local = _local_master_grads(rank, start, half)
+    gathered = [[torch.zeros_like(g) for g in local] for _ in range(2)]
+    for i, g in enumerate(local):
+        parts = [torch.zeros_like(g) for _ in range(2)]
+        dist.all_gather(parts, g)
+        gathered[0][i], gathered[1][i] = parts
+    mean = [(a + b) / 2 for a, b in zip(*gathered)]
+    return {"weights": [p.float().flatten().tolist() for p in model.parameters()],
+            "grad_err": max(float((g - m).abs().max() / m.abs().max()) for g, m in zip(grads, mean)),
+            "local_differs": any(not torch.allclose(g, l) for g, l in zip(grads, local))}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        result = {f"{loop}-{half}": _train(rank, loop, half)
+                  for loop in LOOPS for half in (torch.float16, torch.bfloat16)}
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_o2_under_ddp_steps_the_masters_with_the_reduced_gradients(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(rank0) == 4
+    for key in rank0:
+        assert rank0[key]["weights"] == rank1[key]["weights"], key  # one model, bitwise
+        for result in (rank0[key], rank1[key]):
+            assert result["local_differs"], key  # the ranks' own gradients differ ...
+            assert result["grad_err"] < 1e-2, key  # ... the masters got their mean
