@@ -3,8 +3,10 @@
 The optimizer steps fp32 copies ("masters") of the model's half parameters. Gradients
 flow model -> master while backward runs: a post-accumulate-grad hook on each half
 parameter converts its gradient into the master's fp32 ``.grad`` and frees the half
-gradient at once, so the half gradients never all exist together. After each optimizer
-step the masters are copied back into the model with one fused foreach copy per dtype.
+gradient at once, so the half gradients never all exist together. In a distributed run
+the hooks stand aside (DDP all-reduces ``param.grad`` at the end of backward) and
+``sync_grads`` moves the reduced gradients instead. After each optimizer step the masters
+are copied back into the model with one fused foreach copy per dtype.
 
 Scaling seam (used by ``GradScaler.unscale_`` and ``scale_loss``): master gradients are
 held *scaled* until a scaler unscales them in place and calls :meth:`note_unscaled`;
