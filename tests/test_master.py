@@ -1,0 +1,113 @@
+"""master.py: fp32 masters for half params, grads model->master, params master->model."""
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.master import attach_master_weights, master_of, master_weights_of
+from conftest import DEVICES, HALF_DTYPES
+
+F32 = torch.float32
+
+
+def _half_model(dtype, device="cpu"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(device)
+    model[0].to(dtype)
+    model[2].to(dtype)
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_params_get_fp32_masters_and_fp32_params_step_as_themselves(device, dtype):
+    model = _half_model(dtype, device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mw = attach_master_weights(opt)
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    assert [p.dtype for p in stepped] == [F32] * 6
+    assert stepped[2] is model[1].weight  # the fp32 batch-norm is not copied
+    assert master_of(model[0].weight) is stepped[0] and master_of(model[1].weight) is None
+    assert torch.equal(stepped[0], model[0].weight.float())  # exact: half -> fp32 is exact
+    assert master_weights_of(opt) is mw and len(mw.master_params) == 4
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_backward_moves_grads_into_the_masters_and_frees_the_half_ones(dtype):
+    model = _half_model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    attach_master_weights(opt)
+    x = torch.randn(6, 4)
+    out = model[2](model[1](model[0](x.to(dtype)).float()).to(dtype))
+    out.float().sum().backward()
+    assert model[0].weight.grad is None and model[2].weight.grad is None
+    master = master_of(model[0].weight)
+    assert master.grad is not None and master.grad.dtype is F32
+    assert model[1].weight.grad is not None  # fp32 params keep their own grads
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_step_updates_masters_and_copies_them_into_the_model(dtype):
+    model = _half_model(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    attach_master_weights(opt)
+    master = master_of(model[0].weight)
+    master.grad = torch.full_like(master, 1e-3)  # smaller than half's spacing near 1
+    before = master.detach().clone()
+    opt.step()
+    assert torch.equal(master, before - 0.5 * 1e-3)  # the fp32 master keeps the tiny update
+    assert torch.equal(model[0].weight, master.to(dtype))  # the model gets it rounded
+    assert master.grad is None  # consumed by the step
+
+
+def test_accumulation_after_unscale_brings_new_grads_to_the_same_scale():
+    model = _half_model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mw = attach_master_weights(opt)
+    master = master_of(model[0].weight)
+    model[0].weight.grad = torch.full_like(model[0].weight, 8.0)
+    mw.sync_grads()
+    master.grad.mul_(0.25)  # a scaler unscaled the masters by 1/4 ...
+    mw.note_unscaled(torch.tensor(0.25))  # ... and said so
+    model[0].weight.grad = torch.full_like(model[0].weight, 4.0)  # a later, scaled backward
+    mw.sync_grads()
+    assert torch.equal(master.grad, torch.full_like(master, 2.0 + 1.0))
+    opt.zero_grad()
+    assert master.grad is None and not mw.grads_unscaled
+
+
+def test_existing_optimizer_state_moves_onto_the_masters():
+    model = _half_model(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    attach_master_weights(opt)
+    master = master_of(model[0].weight)
+    assert opt.state[master]["momentum_buffer"].dtype is F32
+    assert model[0].weight not in opt.state
+
+
+def test_add_param_group_adopts_half_params():
+    model = _half_model(torch.float16)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    attach_master_weights(opt)
+    opt.add_param_group({"params": model[2].weight})
+    assert opt.param_groups[1]["params"][0] is master_of(model[2].weight)
+
+
+def test_attaching_twice_is_refused():
+    opt = torch.optim.SGD(_half_model(torch.float16).parameters(), lr=0.1)
+    attach_master_weights(opt)
+    with pytest.raises(RuntimeError, match="SGD already has ampkit master weights"):
+        attach_master_weights(opt)
+
+
+def test_remove_detaches_the_hooks():
+    model = _half_model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mw = attach_master_weights(opt)
+    mw.remove()
+    assert master_of(model[0].weight) is None
+    model[0](torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    assert model[0].weight.grad is not None  # no hook took it
