@@ -111,3 +111,24 @@ def test_remove_detaches_the_hooks():
     assert master_of(model[0].weight) is None
     model[0](torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
     assert model[0].weight.grad is not None  # no hook took it
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_skipped_scaler_step_consumes_the_master_grads(dtype):
+    """Loops that zero only the model's grads must not carry an inf into later steps."""
+    from ampkit.scaler import GradScaler
+
+    model = nn.Linear(4, 1).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attach_master_weights(opt)
+    scaler = GradScaler("cpu", init_scale=2.0**4)
+    x, skipped = torch.randn(2, 4), []
+    for step in range(4):
+        model.zero_grad()
+        loss = model(x.to(dtype)).float().sum() * (float("inf") if step == 0 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+    assert skipped == [True, False, False, False]
+    assert torch.isfinite(model.weight).all()

@@ -493,7 +493,15 @@ class GradScaler:
         # step counts, weight decay still change the parameters).
         found = state["found_inf"].item()
         state["found_host"] = found
-        return optimizer.step(*args, **kwargs) if not found else None
+        if not found:
+            return optimizer.step(*args, **kwargs)
+        masters = master_weights_of(optimizer)
+        if masters is not None:
+            # The masters' grads are a per-step buffer that step() consumes; a skipped step
+            # consumes them too, or the inf/NaN would stay and poison every later step
+            # in loops that zero only the model's grads (model.zero_grad()).
+            masters.clear_master_grads()
+        return None
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                     args: tuple, kwargs: dict) -> Any:
