@@ -644,3 +644,29 @@ def test_load_state_dict_of_a_non_dict_is_a_type_error():
     with pytest.raises(TypeError, match=r"amp state_dict must be a dict .* got list \[1\]; "
                                         r"valid: a dict with keys \['loss_scaler0'\]"):
         load_state_dict([1])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_masters_start_from_the_unrounded_fp32_weights(dtype):
+    model = _model()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O2", half_dtype=dtype)
+    assert model[0].weight.dtype == dtype
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in original.items())  # not rounded to half
+
+
+@pytest.mark.parametrize("first", ["O2", "O3"])
+@pytest.mark.parametrize("then", ["O0", "O1"])
+def test_initialize_again_at_an_fp32_level_gives_the_fp32_model_back(first, then):
+    model = _model()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=first,
+               half_dtype=torch.bfloat16)
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=then)
+    assert {t.dtype for t in model.state_dict().values() if t.is_floating_point()} == {F32}
+    assert all(p.dtype == F32 for p in model.parameters())
+    assert model(_batch(0)[0]).dtype == F32
+    if first == "O2":  # the masters held the exact fp32 values
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import _state
 from ._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, default_device_type, resolve_dtype
 from .autocast import autocast
-from .convert import BATCHNORM_TYPES, ForwardCasts, convert_model
+from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, attach_master_weights, master_of, master_weights_of, release_masters
 from .policy import OPT_LEVELS, Policy, get_policy
 from .scaler import GradScaler, unscale_grads_
@@ -153,11 +153,33 @@ def _apply(policy: Policy, models: list[nn.Module], optimizers: list[torch.optim
     casts = _forward_casts(policy, device_type, explicit_outputs)
     keep_fp32 = BATCHNORM_TYPES if policy.keep_batchnorm_fp32 else ()
     for model in models:
+        if conversion_of(model) is not None:
+            _restore_fp32(model, earlier)
+    # The fp32 values before the cast (references to their storage, no copies): the new
+    # masters start from them, not from the half values rounded from them.
+    fp32_values = {id(p): p.data for p in params if p.dtype == torch.float32}
+    for model in models:
         convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_fp32, casts=casts)
     for optimizer in optimizers:
         if policy.master_weights:
-            _seed_masters(attach_master_weights(optimizer), earlier)
+            _seed_masters(attach_master_weights(optimizer), fp32_values)
         _install_step_guard(optimizer)
+
+
+@torch.no_grad()
+def _restore_fp32(model: nn.Module, earlier: dict[int, Tensor]) -> None:
+    """Undo an earlier initialize's cast: params back to fp32 (their masters' values when
+    they had masters, so nothing is lost) and half buffers back to fp32, in place, so the
+    new opt level starts from the fp32 model the earlier call was given.
+    """
+    for param in model.parameters():
+        if param.dtype in HALF_DTYPES:
+            master = earlier.get(id(param))
+            param.data = master.detach().clone() if master is not None else param.data.float()
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.dtype in HALF_DTYPES:
+                module._buffers[name] = buffer.float()
 
 
 @torch.no_grad()
