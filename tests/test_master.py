@@ -132,3 +132,14 @@ def test_a_skipped_scaler_step_consumes_the_master_grads(dtype):
         skipped.append(scaler.last_step_skipped)
     assert skipped == [True, False, False, False]
     assert torch.isfinite(model.weight).all()
+
+
+def test_a_refused_param_group_changes_nothing():
+    model = _half_model(torch.float16)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    attach_master_weights(opt)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[2].weight, model[0].weight]})
+    assert master_of(model[2].weight) is None and len(opt.param_groups) == 1
+    model[2](torch.randn(2, 8, dtype=torch.float16)).float().sum().backward()
+    assert model[2].weight.grad is not None  # no hook was left behind

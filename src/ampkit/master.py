@@ -250,10 +250,11 @@ def _wrap_methods(optimizer: torch.optim.Optimizer, mw: MasterWeights) -> None:
         mw.note_unscaled(None)
 
     def master_add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
-        params = group["params"]
-        group = dict(group, params=[params] if torch.is_tensor(params) else list(params))
-        mw.adopt_param_groups([group])
+        # torch validates the group (duplicates, non-leaf tensors, ...) and adds it first;
+        # only then are its half params swapped for masters, so a refused group changes
+        # nothing.
         add_param_group(group)
+        mw.adopt_param_groups(self.param_groups[-1:])
 
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     master_step.__wrapped__ = step  # type: ignore[attr-defined]
