@@ -253,7 +253,14 @@ def _wrap_methods(optimizer: torch.optim.Optimizer, mw: MasterWeights) -> None:
         # torch validates the group (duplicates, non-leaf tensors, ...) and adds it first;
         # only then are its half params swapped for masters, so a refused group changes
         # nothing.
-        add_param_group(group)
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        if any(id(p) in mw._master_of for p in params):
+            # torch sees only the masters in param_groups, so it cannot catch this one.
+            raise ValueError("some parameters appear in more than one parameter group: a "
+                             "half parameter given again is already stepped through its fp32 "
+                             "master; valid: parameters not yet in this optimizer")
+        add_param_group(dict(group, params=params))
         mw.adopt_param_groups(self.param_groups[-1:])
 
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
