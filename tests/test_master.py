@@ -143,3 +143,23 @@ def test_a_refused_param_group_changes_nothing():
     assert master_of(model[2].weight) is None and len(opt.param_groups) == 1
     model[2](torch.randn(2, 8, dtype=torch.float16)).float().sum().backward()
     assert model[2].weight.grad is not None  # no hook was left behind
+
+
+def test_sparse_grads_accumulate_across_scale_loss_calls():
+    import ampkit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    reference = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                   verbosity=0)
+    idx = torch.tensor([[1, 2], [2, 3]])
+    for _ in range(2):  # the second call adds into already-unscaled masters
+        with ampkit.scale_loss(model(idx).float().sum(), opt) as scaled:
+            scaled.backward()
+    grad = master_of(model[0].weight).grad
+    assert grad.is_sparse
+    dense = grad.to_dense()
+    assert torch.equal(dense[[0, 4]], torch.zeros(2, 4)) and dense[2].abs().sum() > 0

@@ -127,7 +127,10 @@ class MasterWeights:
             return
         # The masters were unscaled already: bring the new (scaled) grad to their scale.
         # A device tensor multiply, no host sync.
-        if master.grad is None:
+        if grad.is_sparse:  # sparse tensors have no in-place mul_/addcmul_
+            scaled = grad.detach().float() * self._inv_scale
+            master.grad = scaled if master.grad is None else master.grad + scaled
+        elif master.grad is None:
             master.grad = grad.detach().float().mul_(self._inv_scale)
         else:
             master.grad.addcmul_(grad.detach().float(), self._inv_scale)
