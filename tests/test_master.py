@@ -150,8 +150,6 @@ def test_sparse_grads_accumulate_across_scale_loss_calls():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
-    reference = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
-    reference.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
                                    verbosity=0)

@@ -172,3 +172,43 @@ def test_originals_back_after_last_region_closes_in_any_order():
     overrides.clear()
     ampkit.register_half_function(torch, "mm")  # re-registering after a clear outside a region
     assert torch.mm is original
+
+
+def test_float64_arguments_keep_their_dtype():
+    @ampkit.float_function
+    def f(x):
+        return x * 1
+
+    @ampkit.half_function
+    def g(x):
+        return x * 1
+
+    x64 = torch.tensor([1 + 1e-12], dtype=torch.float64)
+    with autocast("cpu", dtype="bf16"):
+        assert f(x64).dtype is torch.float64 and torch.equal(f(x64), x64)
+        assert g(x64).dtype is torch.float64
+        assert g(torch.ones(1)).dtype is torch.bfloat16
+
+
+def test_promote_of_fp16_and_bf16_is_fp32():
+    @ampkit.promote_function
+    def cat(a, b):
+        return torch.cat([a, b])
+
+    with autocast("cpu", dtype="bf16"):
+        out = cat(torch.tensor([1.0], dtype=torch.float16), torch.tensor([7e4], dtype=torch.bfloat16))
+    assert out.dtype is torch.float32 and torch.isfinite(out).all()
+
+
+def test_a_region_for_another_device_does_not_hide_this_ones():
+    ampkit.register_float_function(torch, "addmm")
+    a, b, c = torch.ones(2, 2), torch.ones(2, 2), torch.ones(2, 2)
+    with autocast("cpu", dtype="bf16"):
+        with autocast("cuda", enabled=False):  # torch's cpu autocast is still on here
+            assert torch.mm(b, c).dtype is torch.bfloat16
+            assert torch.addmm(a, b, c).dtype is torch.float32
+            with ampkit.disable_casts():
+                assert torch.mm(b, c).dtype is torch.float32
+                assert torch.addmm(a.bfloat16(), b.bfloat16(), c.bfloat16()).dtype is torch.bfloat16
+        with autocast("cpu", enabled=False):
+            assert torch.addmm(a.bfloat16(), b.bfloat16(), c.bfloat16()).dtype is torch.bfloat16

@@ -63,7 +63,7 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     """Enter an ampkit.autocast region in this thread (installs overrides on the first)."""
     _local.frames.append((device_type, dtype, enabled))  # a plain tuple: cheapest to build
     _open_regions.append(None)
-    if _registry and not _installed:
+    if _registry:  # under the lock: a concurrent last-region exit may be uninstalling
         with _lock:
             _sync_installed()
 
@@ -87,36 +87,45 @@ def _sync_installed() -> None:
         _installed = want
 
 
-def active_frame() -> Optional[_Frame]:
-    """This thread's innermost enabled ampkit.autocast frame, or None."""
+def active_frame(device_type: Optional[str] = None) -> Optional[_Frame]:
+    """This thread's innermost ampkit.autocast frame for ``device_type``, if it is enabled.
+
+    Autocast state is per device type, as in torch: a region for another device type
+    does not hide this one's. ``None``: the innermost frame of any device type.
+    """
     frames = _local.frames
-    if frames and frames[-1][2]:
-        return _Frame(*frames[-1])
-    return None
+    if device_type is None:
+        top = frames[-1] if frames else None
+    else:
+        top = next((f for f in reversed(frames) if f[0] == device_type), None)
+    return _Frame(*top) if top is not None and top[2] else None
 
 
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
     """Run the block without autocast or overrides: ops take their inputs' dtypes.
 
-    Only acts inside an ampkit.autocast region of this thread; elsewhere it does nothing.
+    Acts on every device type with an enabled ampkit.autocast region in this thread;
+    elsewhere it does nothing.
     """
-    frame = active_frame()
-    if frame is None:
+    devices = [d for d in dict.fromkeys(f[0] for f in _local.frames) if active_frame(d)]
+    with contextlib.ExitStack() as stack:
+        for device_type in devices:
+            push_frame(device_type, _local.frames[-1][1], enabled=False)
+            stack.callback(pop_frame)
+            stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
-        return
-    push_frame(frame.device_type, frame.dtype, enabled=False)
-    try:
-        with torch.autocast(frame.device_type, enabled=False):
-            yield
-    finally:
-        pop_frame()
 
 
 # --- casting --------------------------------------------------------------------------
+# Only these are cast: float64 (and non-float) tensors keep their dtype, as under torch
+# autocast, which leaves fp64 ops alone.
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        return value.to(dtype) if value.dtype in _CASTABLE and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(_cast(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
@@ -126,15 +135,22 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _widest(values: Any, widest: Optional[torch.dtype] = None) -> Optional[torch.dtype]:
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
     for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            if widest is None or torch.finfo(value.dtype).bits > torch.finfo(widest).bits:
-                widest = value.dtype
+        if isinstance(value, torch.Tensor):
+            yield value
         elif isinstance(value, (list, tuple)):
-            widest = _widest(value, widest)
+            yield from _tensors(value)
         elif isinstance(value, dict):
-            widest = _widest(value.values(), widest)
+            yield from _tensors(value.values())
+
+
+def _widest(args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+    """torch's type promotion over the floating arguments (fp16 with bf16 gives fp32)."""
+    widest = None
+    for t in _tensors((args, kwargs)):
+        if t.is_floating_point():
+            widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
     return widest
 
 
@@ -143,13 +159,14 @@ def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> O
         return frame.dtype
     if kind is CastKind.FLOAT:
         return torch.float32
-    return _widest((args, kwargs))
+    return _widest(args, kwargs)
 
 
 def _casting_wrapper(fn: F, kind: CastKind) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        frame = active_frame()
+        first = next(_tensors((args, kwargs)), None)
+        frame = active_frame(None if first is None else first.device.type)
         if frame is None:
             return fn(*args, **kwargs)
         dtype = _target_dtype(kind, frame, args, kwargs)
