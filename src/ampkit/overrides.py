@@ -3,8 +3,10 @@
 What torch.amp lacks (pytorch issue 49038) and apex.amp had. A registration replaces
 ``module.name`` by a casting wrapper only while an ``ampkit.autocast`` region is active
 somewhere in the process, and the wrapper casts only in a thread whose innermost
-ampkit.autocast is enabled. With no active region the original function is in place, so
-an override costs nothing outside autocast.
+ampkit.autocast region for the arguments' device type is enabled. With no active region
+the original function is in place, so an override costs nothing outside autocast.
+fp16, bf16 and fp32 tensor arguments (nested in lists, tuples and dicts too) are cast;
+fp64 and non-float tensors keep their dtype, as under torch's autocast.
 
 Example:
     >>> import torch, ampkit
