@@ -9,7 +9,8 @@ Example:
 from __future__ import annotations
 
 from .config import AmaxComputeAlgo, Float8Config, Recipe
-from .convert import convert_to_fp8
+from .convert import convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 from .linear import Float8Linear
 
-__all__ = ["AmaxComputeAlgo", "Float8Config", "Float8Linear", "Recipe", "convert_to_fp8"]
+__all__ = ["AmaxComputeAlgo", "Float8Config", "Float8Linear", "Recipe", "convert_to_fp8",
+           "fp8_state_dict", "load_fp8_state_dict"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
@@ -34,7 +34,8 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     swaps: list[tuple[nn.Module, str, nn.Linear]] = []
     skips: list[tuple[str, str]] = []
     for parent_name, parent in model.named_modules():
-        for name, child in parent.named_children():
+        # _modules, not named_children(): that skips a layer placed in two slots.
+        for name, child in parent._modules.items():
             if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
                 continue
             fqn = f"{parent_name}.{name}" if parent_name else name
@@ -85,10 +86,42 @@ def convert_to_fp8(model: nn.Module, *,
             return model
         return Float8Linear.from_linear(model, config)
     swaps, skips = _plan(model, module_filter)
+    converted: dict[int, Float8Linear] = {}  # one layer used in several slots stays one layer
     for parent, name, linear in swaps:
-        setattr(parent, name, Float8Linear.from_linear(linear, config))
+        if id(linear) not in converted:
+            converted[id(linear)] = Float8Linear.from_linear(linear, config)
+        setattr(parent, name, converted[id(linear)])
     for fqn, reason in skips:
         logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
                 len(swaps), config.short, len(skips))
     return model
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The delayed-scaling state of every Float8Linear in ``model``, by module name.
+
+    Not part of ``model.state_dict()`` (whose keys stay those of the original model);
+    save it beside it to resume a delayed-recipe run exactly.
+
+    Example:
+        >>> m = convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), recipe="delayed")
+        >>> sorted(fp8_state_dict(m)["0"])
+        ['amax_history_grad_output', 'amax_history_input', 'amax_history_weight', 'started']
+    """
+    return {name: module.fp8_state_dict() for name, module in model.named_modules()
+            if isinstance(module, Float8Linear) and module.config.recipe is Recipe.DELAYED}
+
+
+def load_fp8_state_dict(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
+    """Restore what :func:`fp8_state_dict` saved (every entry checked before any is loaded)."""
+    modules = fp8_state_dict(model)
+    if not isinstance(state, dict) or sorted(state) != sorted(modules):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"fp8 state has modules {got}; valid: exactly {sorted(modules)} "
+                         "(the delayed-recipe Float8Linear layers of this model)")
+    named = dict(model.named_modules())
+    for name in modules:
+        named[name].check_fp8_state_dict(state[name])
+    for name in modules:
+        named[name].load_fp8_state_dict(state[name])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -119,6 +119,7 @@ class _CastState(NamedTuple):
     config: Float8Config
     histories: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]
     warmup: bool
+    record: bool  # forward amaxes go into the histories (grad mode on: training)
 
 
 def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
@@ -134,7 +135,8 @@ def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
     if history is None:
         return quantize(t, dtype, margin=config.margin)
     return quantize_delayed(t, dtype, history, algo=config.amax_compute_algo,
-                            margin=config.margin, warmup=state.warmup)
+                            margin=config.margin, warmup=state.warmup,
+                            record=state.record or role == _GRAD)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -142,9 +144,9 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, config: Float8Config, native: bool,  # type: ignore[override]
-                out_dtype: torch.dtype, warmup: bool, h_in: Optional[Tensor],
+                out_dtype: torch.dtype, warmup: bool, record: bool, h_in: Optional[Tensor],
                 h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
-        state = _CastState(config, (h_in, h_w, h_g), warmup)
+        state = _CastState(config, (h_in, h_w, h_g), warmup, record)
         with torch.autocast(x.device.type, enabled=False):  # our fp32 math stays fp32
             x_q = _cast(x, _INPUT, -1, state)
             w_q = _cast(weight, _WEIGHT, -1, state)
@@ -180,7 +182,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                     grad_x = fp8_mm(g_rows, Fp8(w_data, w_inv), x_dtype, native)
                 if need_w:
                     grad_w = fp8_mm(g_rows.t(), Fp8(x_data, x_inv), w_dtype, native)
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def _output_dtype(x: Tensor) -> torch.dtype:
@@ -330,11 +332,44 @@ class Float8Linear(nn.Linear):
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.config,
-                                 native, _output_dtype(x), self._warmup_step(), *histories)
+                                 native, _output_dtype(x), self._warmup_step(),
+                                 torch.is_grad_enabled(), *histories)
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
+
+    def fp8_state_dict(self) -> dict[str, Any]:
+        """The delayed recipe's amax histories and warm-up flag (empty for other recipes)."""
+        if self.config.recipe is not Recipe.DELAYED:
+            return {}
+        state: dict[str, Any] = {"started": self._delayed_started}
+        for name in _ROLE_NAMES:
+            state[f"amax_history_{name}"] = getattr(self, f"amax_history_{name}").detach().clone()
+        return state
+
+    def check_fp8_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ValueError unless ``state`` is what :meth:`fp8_state_dict` gives here."""
+        expected = self.fp8_state_dict()
+        if not isinstance(state, dict) or sorted(state) != sorted(expected):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"Float8Linear fp8 state has keys {got}; valid: {sorted(expected)}")
+        for key, value in expected.items():
+            if torch.is_tensor(value) and not (torch.is_tensor(state[key])
+                                               and state[key].shape == value.shape):
+                raise ValueError(f"Float8Linear fp8 state[{key!r}] must be a tensor of shape "
+                                 f"{tuple(value.shape)} (amax_history_len="
+                                 f"{self.config.amax_history_len}), got {state[key]!r}")
+
+    @torch.no_grad()
+    def load_fp8_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the delayed recipe's histories and warm-up flag."""
+        self.check_fp8_state_dict(state)
+        if self.config.recipe is not Recipe.DELAYED:
+            return
+        self._delayed_started = bool(state["started"])
+        for name in _ROLE_NAMES:
+            getattr(self, f"amax_history_{name}").copy_(state[f"amax_history_{name}"])
 
     def extra_repr(self) -> str:
         grad = "e4m3" if self.config.recipe is Recipe.ROWWISE else "e5m2"

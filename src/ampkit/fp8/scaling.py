@@ -87,7 +87,11 @@ def saturated_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     GradScaler still sees non-finite gradients.
     """
     limit = fp8_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    scaled = x.float() * scale
+    # Saturate finite overflow only: a non-finite value becomes NaN (torch's own cast would
+    # saturate +-inf to +-448 in e4m3fn), so an inf input or gradient still reaches
+    # GradScaler's check whatever the scale (a delayed scale has not seen this step's inf).
+    return torch.where(scaled.isfinite(), scaled.clamp(-limit, limit), torch.nan).to(dtype)
 
 
 def quantize(x: Tensor, dtype: torch.dtype, *, dim: Optional[int] = None, margin: int = 0,
@@ -127,8 +131,11 @@ def update_history(history: Tensor, amax: Tensor) -> None:
     forward and backward graphs (no Python-side state, no host sync).
     """
     with torch.no_grad():
-        rolled = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
-        history.copy_(rolled)
+        # A non-finite amax (an overflowing step that GradScaler will skip) would poison
+        # the history for its whole length: the newest finite entry is repeated instead.
+        entry = amax.reshape(1).to(history.dtype)
+        entry = torch.where(entry.isfinite(), entry, history[:1])
+        history.copy_(torch.cat([entry, history[:-1]]))
 
 
 def history_amax(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
@@ -139,7 +146,8 @@ def history_amax(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
 
 
 def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
-                     algo: AmaxComputeAlgo, margin: int = 0, warmup: bool = False) -> Fp8:
+                     algo: AmaxComputeAlgo, margin: int = 0, warmup: bool = False,
+                     record: bool = True) -> Fp8:
     """Quantise with the scale from ``history``, then push ``x``'s amax into it.
 
     The cast does not wait for ``x``'s amax: under torch.compile the amax reduction is a
@@ -152,12 +160,17 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
         algo: how the history becomes an amax.
         margin: see :func:`amax_to_scale`.
         warmup: scale by ``x``'s own amax (the first step, when the history is empty).
+        record: push ``x``'s amax into the history (False for no-grad forwards, e.g.
+            evaluation, which should not move the training scales).
 
     Returns:
         The fp8 data and its inverse scale.
     """
+    if not (warmup or record):
+        return quantize(x, dtype, scale=amax_to_scale(history_amax(history, algo), dtype, margin))
     amax = compute_amax(x)
     source = amax if warmup else history_amax(history, algo)
     q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
-    update_history(history, amax)
+    if record:
+        update_history(history, amax)
     return q

@@ -1,0 +1,110 @@
+"""The delayed recipe's state: non-finite values, evaluation, duplicate slots, resume."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
+
+DELAYED = Float8Config("delayed", amax_history_len=4, emulate=True)
+
+
+def _layer() -> Float8Linear:
+    torch.manual_seed(0)
+    return Float8Linear(32, 32, config=DELAYED)
+
+
+def _train_step(layer: nn.Module, step: int, *, inf_grad: bool = False) -> torch.Tensor:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+    g = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 + step))
+    if inf_grad:
+        g[0, 0] = float("inf")
+    layer.weight.grad = None
+    layer(x).backward(g)
+    return layer.weight.grad
+
+
+def test_an_inf_gradient_stays_non_finite_under_a_delayed_scale():
+    layer = _layer()
+    _train_step(layer, 0)
+    assert not torch.isfinite(_train_step(layer, 1, inf_grad=True)).all()  # GradScaler sees it
+
+
+def test_an_inf_input_gives_a_non_finite_output():
+    layer = _layer()
+    _train_step(layer, 0)
+    x = torch.randn(4, 32)
+    x[0, 0] = float("inf")
+    assert not torch.isfinite(layer(x)).all()
+
+
+def test_a_non_finite_amax_does_not_enter_the_history():
+    layer = _layer()
+    _train_step(layer, 0)
+    before = layer.amax_history_grad_output.clone()
+    _train_step(layer, 1, inf_grad=True)
+    history = layer.amax_history_grad_output
+    assert torch.isfinite(history).all()
+    assert history[0] == before[0] and torch.equal(history[1:], before[:-1])
+    assert torch.isfinite(_train_step(layer, 2)).all()  # the next step is clean again
+
+
+def test_no_grad_forwards_leave_the_histories_alone():
+    layer = _layer()
+    _train_step(layer, 0)
+    before = fp8_state_dict(nn.Sequential(layer))["0"]
+    with torch.no_grad():
+        layer(torch.randn(4, 32) * 100)
+    after = layer.fp8_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if torch.is_tensor(v))
+
+
+def test_a_layer_in_two_slots_becomes_one_fp8_layer():
+    lin = nn.Linear(32, 32)
+    model = convert_to_fp8(nn.Sequential(lin, nn.ReLU(), lin), recipe=DELAYED)
+    assert isinstance(model[0], Float8Linear) and model[0] is model[2]
+    assert model[0].weight is lin.weight
+
+
+def test_fp8_state_round_trip_resumes_exactly():
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)),
+                              recipe=DELAYED)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        step(model, opt, i)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), fp8_state_dict(model)))
+    expected = [step(model, opt, i) for i in range(3, 6)]
+    fresh = make()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    fresh.load_state_dict(saved[0])
+    fresh_opt.load_state_dict(saved[1])
+    load_fp8_state_dict(fresh, saved[2])
+    got = [step(fresh, fresh_opt, i) for i in range(3, 6)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_bad_fp8_state_is_refused_before_anything_loads():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), recipe=DELAYED)
+    state = fp8_state_dict(model)
+    with pytest.raises(ValueError, match=r"fp8 state has modules \['0'\]; valid: exactly \['0', '1'\]"):
+        load_fp8_state_dict(model, {"0": state["0"]})
+    bad = {"0": dict(state["0"], started=True), "1": dict(state["1"], amax_history_input=torch.ones(3))}
+    with pytest.raises(ValueError, match=r"state\['amax_history_input'\] must be a tensor of shape \(4,\)"):
+        load_fp8_state_dict(model, bad)
+    assert model[0]._delayed_started is False  # module 0 was not loaded either
