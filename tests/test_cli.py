@@ -279,7 +279,7 @@ def _epochs(log: dict) -> list[dict]:
     return [{k: v for k, v in record.items() if k != "time_s"} for record in log["epochs"]]
 
 
-@pytest.mark.parametrize("policy", ["32-true", "bf16-mixed", "O2-fp16", "16-true", "fp8"])
+@pytest.mark.parametrize("policy", ["32-true", "bf16-mixed", "O2-fp16", "16-true", "fp8", "fp8-delayed"])
 def test_resume_continues_exactly(tmp_path, policy):
     ckpt = str(tmp_path / "run.pt")
     settings = TrainSettings(data="synthetic", policy=policy, epochs=2, batch_size=128)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from ..frontend import load_state_dict as amp_load_state_dict
 from ..frontend import state_dict as amp_state_dict
 from .data import DATASETS, Dataset, load_data
@@ -167,7 +168,7 @@ class Trainer:
         state = {"format": _FORMAT, "settings": asdict(self.settings),
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.precision.scaler.state_dict(), "amp": None,
-                 "history": list(self.history)}
+                 "fp8": fp8_state_dict(self.model), "history": list(self.history)}
         if self.precision.uses_initialize:
             state["amp"] = amp_state_dict()
         return state
@@ -180,6 +181,7 @@ class Trainer:
         self.precision.scaler.load_state_dict(state["scaler"])
         if state["amp"] is not None and self.precision.uses_initialize:
             amp_load_state_dict(state["amp"])
+        load_fp8_state_dict(self.model, state.get("fp8", {}))  # delayed-recipe amax histories
         self.history = list(state["history"])
 
     def save(self, path: str) -> None:
