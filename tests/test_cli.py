@@ -116,7 +116,7 @@ def test_bench_default_isolates_policies_and_writes_json_to_stdout():
     here = run_policy(parse_policy("bf16-mixed", "cpu"),
                       BenchSettings(model="mlp", steps=3, warmup=1, batch_size=8))
     assert doc["results"][1]["losses"] == here["losses"]
-    assert here["compile_s"] is None and here["first_step_ms"] > 0
+    assert here["compile_s"] is None and here["warmup_ms"] > 0
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib (cli extra)")
@@ -207,7 +207,7 @@ def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
     (["bench", "--device", "tpu9"], ["'tpu9'", "valid: cpu"]),
     (["bench", "--steps", "0"], ["--steps", "0"]),
     (["bench", "--steps", "many"], ["'many'", "int"]),
-    (["bench", "--model", "mlp", "--compile", "--warmup", "0"], ["--warmup 0", "valid: --warmup 1"]),
+    (["bench", "--model", "mlp", "--compile", "--warmup", "0"], ["--warmup 0", "valid: --warmup 2"]),
     (["bench", "--model", "no_such_module_xyz:make"], ["'no_such_module_xyz'", "valid:"]),
     (["bench", "--model", "json:no_such_function"], ["'no_such_function'", "valid:"]),
     (["bench", "--model", "json:"], ["package.module:function"]),

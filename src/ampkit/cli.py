@@ -265,7 +265,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per policy (default 20)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 3 on CPU, 5 on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model; the "
-                   "compile time is reported apart from the step time")
+                   "compile time (the warm-up's excess over its steps) is reported apart from "
+                   "the step time; needs --warmup 2 or more")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--plot", metavar="PATH.png", help="PNG: step-time and memory bars, loss "
                    "curves (needs matplotlib)")
