@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import asdict
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -103,6 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
              for spec in parse_policy_list(text, torch.device(device).type)]
     if args.plot:
         report.require_matplotlib(args.plot)
+    check_output_paths(json=args.json, plot=args.plot)
     settings = BenchSettings(model=args.model, device=device, steps=args.steps,
                              warmup=args.warmup if args.warmup is not None else (5 if cuda else 3),
                              batch_size=args.batch_size, compile=args.compile, seed=args.seed,
@@ -142,6 +144,26 @@ def _bench_document(results: list[dict[str, Any]], settings: Any, workload: str,
     return document
 
 
+def check_output_paths(**paths: Optional[str]) -> None:
+    """Fail before a run, not after it, when an output file could not be written.
+
+    Makes the file's folder (the run would make it anyway) and writes a scratch file there.
+    """
+    for flag, path in paths.items():
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            if os.path.isdir(path):
+                raise OSError(0, "it is a folder")
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as err:
+            raise CliError(f"--{flag} {path!r} cannot be written ({err.strerror or err}); "
+                           "valid: a file path in a folder you can write to") from None
+
+
 # --- train -----------------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a classifier under one policy, printing one line per epoch."""
@@ -152,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     policy = args.opt_level or args.policy or recommend_policy(device)[0]
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
+    check_output_paths(json=args.json, checkpoint=args.checkpoint)
     settings = TrainSettings(model=args.model, data=args.data, data_dir=args.data_dir,
                              policy=policy, epochs=args.epochs, batch_size=args.batch_size,
                              lr=args.lr, seed=args.seed, device=device)
