@@ -222,7 +222,12 @@ class Float8Linear(nn.Linear):
     The output is in the autocast dtype inside an autocast region, else in the input's
     dtype; gradients come back in the input's and the weight's dtypes. The delayed
     recipe keeps its amax histories in non-persistent buffers, so ``state_dict`` holds
-    exactly nn.Linear's ``weight`` and ``bias``.
+    exactly nn.Linear's ``weight`` and ``bias``; ``fp8_state_dict`` saves them to resume
+    exactly. Its first training forward scales by the tensors' own amax (the histories
+    are empty); a layer called twice before its first backward sees an empty gradient
+    history in the second call's backward, so that one step's gradient is cast with
+    scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
+    the histories without updating them.
 
     Example:
         >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))
