@@ -163,3 +163,21 @@ def test_exported():
 def test_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         autocast(**kwargs)
+
+
+def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["ampkit.autocast"], "_RESOLVED", {})  # nothing resolved eagerly before
+
+    def f(a, b):
+        with autocast("cpu", dtype=torch.bfloat16):
+            return torch.mm(a, b).relu()
+
+    torch._dynamo.reset()
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    got = torch.compile(f, backend="aot_eager")(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.mm(a, b).relu()
+    assert got.dtype is torch.bfloat16 and torch.equal(got, expected)
+    assert not torch.is_autocast_enabled("cpu")

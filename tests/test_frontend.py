@@ -670,3 +670,25 @@ def test_initialize_again_at_an_fp32_level_gives_the_fp32_model_back(first, then
     if first == "O2":  # the masters held the exact fp32 values
         assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
     assert model(_batch(0)[0]).dtype == F32
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_compiled_model_trains_as_the_eager_one(level):
+    def losses(compiled: bool) -> list[float]:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        out = []
+        for step in range(3):
+            optimizer.zero_grad()
+            x, y = _batch(step)
+            loss = F.mse_loss(run(x).float(), y)
+            with scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            out.append(loss.item())
+        return out
+
+    torch._dynamo.reset()
+    assert losses(compiled=True) == losses(compiled=False)

@@ -29,6 +29,10 @@ _CHECKED_DEVICES: dict[str, str] = {}
 def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
     key = (device_type, dtype, enabled)
     resolved = _RESOLVED.get(key)
+    if resolved is None and torch.compiler.is_compiling():
+        # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
+        # region itself when it traces the switches set in __enter__.
+        return enabled, dtype
     if resolved is None:
         reference = torch.autocast(device_type, dtype=dtype, enabled=enabled)
         resolved = _RESOLVED[key] = (reference._enabled, reference.fast_dtype)
