@@ -692,3 +692,27 @@ def test_a_compiled_model_trains_as_the_eager_one(level):
 
     torch._dynamo.reset()
     assert losses(compiled=True) == losses(compiled=False)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_an_initialized_model_pickles_like_a_plain_one(level):
+    model = _model()
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+               half_dtype=torch.bfloat16)
+    model.eval()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    x = _batch(0)[0]
+    assert torch.equal(copy(x), model(x)) and copy(x).dtype == model(x).dtype
+    assert {k: v.dtype for k, v in copy.state_dict().items()} == {
+        k: v.dtype for k, v in model.state_dict().items()}
+
+
+def test_amp_state_round_trips_without_initialize():
+    frontend._amp = None
+    assert state_dict() == {}
+    load_state_dict(state_dict())  # a plain run that saves and reloads amp state
+    with pytest.raises(RuntimeError, match="initialize"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})

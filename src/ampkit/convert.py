@@ -116,15 +116,20 @@ class ConvertHandle:
     """The hooks one conversion installed on a model; ``remove()`` takes them all off."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._model = weakref.ref(model)
+        self._model: Optional[weakref.ref] = weakref.ref(model)
         self.handles: list[RemovableHandle] = []
+
+    def __getstate__(self) -> dict:
+        # A weak reference does not pickle; an unpickled model finds its handle through
+        # its own attribute (conversion_of), so the copy needs none.
+        return {"_model": None, "handles": self.handles}
 
     def remove(self) -> None:
         """Remove every hook (the parameters keep the dtype they were cast to)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        model = self._model()
+        model = self._model() if self._model is not None else None
         if model is not None and getattr(model, _HANDLE_ATTR, None) is self:
             delattr(model, _HANDLE_ATTR)
 
@@ -139,6 +144,8 @@ def remove_conversion(model: nn.Module) -> None:
     handle = conversion_of(model)
     if handle is not None:
         handle.remove()
+        if getattr(model, _HANDLE_ATTR, None) is handle:  # an unpickled copy's handle
+            delattr(model, _HANDLE_ATTR)
 
 
 def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
@@ -183,41 +190,63 @@ def _install_forward_casts(model: nn.Module, casts: ForwardCasts) -> list[Remova
     if casts.autocast is not None:
         handles += _install_autocast_region(model, casts.autocast)
     if casts.input_dtype is not None:
-        input_dtype = casts.input_dtype
-
-        def cast_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return cast_floating(args, input_dtype), cast_floating(kwargs, input_dtype)
-
-        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(_CastInputs(casts.input_dtype),
+                                                       with_kwargs=True))
     if casts.output_dtype is not None:
-        output_dtype = casts.output_dtype
-
-        def cast_outputs(module: nn.Module, args: tuple, output: Any) -> Any:
-            return cast_floating(output, output_dtype)
-
-        handles.append(model.register_forward_hook(cast_outputs))
+        handles.append(model.register_forward_hook(_CastOutputs(casts.output_dtype)))
     return handles
+
+
+# The hooks are small classes, not closures, so a converted model still pickles
+# (torch.save(model), multiprocessing) as a plain one does.
+class _CastInputs:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+
+
+class _CastOutputs:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_floating(output, self.dtype)
+
+
+class _Region:
+    """The autocast regions forward runs in: a stack per thread (recursion, threads)."""
+
+    def __init__(self, factory: Callable[[], ContextManager[Any]]) -> None:
+        self.factory = factory
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {"factory": self.factory}  # open regions belong to this process's threads
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["factory"])  # type: ignore[misc]
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        region = self.factory()
+        region.__enter__()
+        self._local.__dict__.setdefault("stack", []).append(region)
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        stack = self._local.__dict__.get("stack")
+        if stack:
+            stack.pop().__exit__(None, None, None)
 
 
 def _install_autocast_region(model: nn.Module,
                              factory: Callable[[], ContextManager[Any]]) -> list[RemovableHandle]:
     """Run ``model.forward`` inside a fresh autocast region, left even when forward raises."""
-    local = threading.local()  # a stack per thread: recursive and concurrent calls nest
-
-    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        region = factory()
-        region.__enter__()
-        local.__dict__.setdefault("stack", []).append(region)
-
-    def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        stack = local.__dict__.get("stack")
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
+    region = _Region(factory)
     # First among the module's pre-hooks, so no other pre-hook can fail before the region
     # is entered; always_call, so the region is left when forward (or a later hook) raises.
-    return [model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-            model.register_forward_hook(leave, prepend=True, always_call=True)]
+    return [model.register_forward_pre_hook(region.enter, with_kwargs=True, prepend=True),
+            model.register_forward_hook(region.leave, prepend=True, always_call=True)]
 
 
 # --- state-dict hooks ---------------------------------------------------------------------

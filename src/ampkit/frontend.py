@@ -612,6 +612,8 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     Example:
         >>> load_state_dict(torch.load("ckpt.pt")["amp"])  # doctest: +SKIP
     """
+    if _amp is None and isinstance(state, dict) and not state:
+        return  # what state_dict() gives without initialize: nothing to restore
     amp = _require_initialized()
     if not amp.enabled:
         return
