@@ -5,6 +5,7 @@ back at the end of backward, so the masters must receive the reduced gradient, n
 local one (apex O2 + DDP was the usual multi-GPU setup).
 """
 
+import gc
 import json
 import socket
 
@@ -72,6 +73,7 @@ def _train(rank: int, loop: str, half: torch.dtype) -> dict:
         else:
             scaler.step(opt)
             scaler.update()
+    del ddp  # its reducer threads end before the process group is torn down
     local = _local_master_grads(rank, start, half)
     gathered = [[torch.zeros_like(g) for g in local] for _ in range(2)]
     for i, g in enumerate(local):
@@ -92,6 +94,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                   for loop in LOOPS for half in (torch.float16, torch.bfloat16)}
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
+        gc.collect()  # no DDP reducer may outlive the group ("terminate called" aborts)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
