@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -224,5 +226,7 @@ def test_ddp_single_process(tmp_path):
             reference(x).square().mean().backward()
         for p, q in zip(model.parameters(), reference.parameters()):
             assert torch.equal(p.grad, q.grad)
+        del ddp  # no DDP reducer may outlive the process group
+        gc.collect()
     finally:
         dist.destroy_process_group()
