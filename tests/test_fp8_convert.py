@@ -3,9 +3,8 @@ state_dict, a short training run against bf16, torch.compile and DDP."""
 
 from __future__ import annotations
 
-import logging
-
 import gc
+import logging
 
 import pytest
 import torch
