@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -53,6 +53,39 @@ def resolve_dtype(value: DtypeLike, *, allowed: tuple[torch.dtype, ...] = FLOAT_
 def _valid_names(allowed: tuple[torch.dtype, ...]) -> str:
     names = [name for name, d in _ALIASES.items() if d in allowed]
     return ", ".join(names) if names else _DTYPE_NAMES
+
+
+def cast_tree(obj: Any, dtype: torch.dtype,
+              sources: Optional[tuple[torch.dtype, ...]] = None) -> Any:
+    """Cast the floating tensors in ``obj`` (nested lists, tuples, namedtuples, dicts).
+
+    Args:
+        obj: a tensor or a nest of them; anything else passes through.
+        dtype: the target dtype.
+        sources: only tensors of these dtypes are cast (None: every floating tensor).
+
+    Example:
+        >>> cast_tree({"x": [torch.ones(1)], "n": 3}, torch.float16)["x"][0].dtype
+        torch.float16
+    """
+    if isinstance(obj, torch.Tensor):
+        wanted = obj.is_floating_point() if sources is None else obj.dtype in sources
+        return obj.to(dtype) if wanted and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(cast_tree(v, dtype, sources) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_tree(v, dtype, sources) for v in obj)
+    if isinstance(obj, dict):
+        cast = {k: cast_tree(v, dtype, sources) for k, v in obj.items()}
+        return cast if type(obj) is dict else _rebuild_mapping(obj, cast)
+    return obj
+
+
+def _rebuild_mapping(original: dict, cast: dict) -> dict:
+    try:
+        return type(original)(cast)
+    except TypeError:  # a dict subclass whose constructor takes something else
+        return cast
 
 
 def short_name(dtype: torch.dtype) -> str:

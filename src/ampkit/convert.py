@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dtypes import HALF_DTYPES
+from ._dtypes import HALF_DTYPES, cast_tree
 from .master import master_of
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
@@ -41,23 +41,7 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
         >>> cast_floating({"x": [torch.ones(1)], "n": 3}, torch.float16)["x"][0].dtype
         torch.float16
     """
-    if isinstance(obj, Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(cast_floating(v, dtype) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating(v, dtype) for v in obj)
-    if isinstance(obj, dict):
-        cast = {k: cast_floating(v, dtype) for k, v in obj.items()}
-        return cast if type(obj) is dict else _rebuild_mapping(obj, cast)
-    return obj
-
-
-def _rebuild_mapping(original: dict, cast: dict) -> dict:
-    try:
-        return type(original)(cast)
-    except TypeError:  # a dict subclass whose constructor takes something else
-        return cast
+    return cast_tree(obj, dtype)
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, *,

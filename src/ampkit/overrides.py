@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 
+from ._dtypes import cast_tree
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -126,15 +128,7 @@ _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype in _CASTABLE and value.dtype != dtype else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    return cast_tree(value, dtype, sources=_CASTABLE)
 
 
 def _tensors(values: Any) -> Iterator[torch.Tensor]:
