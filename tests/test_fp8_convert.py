@@ -111,6 +111,19 @@ def test_failing_filter_leaves_model_untouched():
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
 
 
+@pytest.mark.parametrize("bare", [False, True])
+def test_emulate_false_without_fp8_hardware_raises_before_any_swap(bare):
+    model = nn.Linear(32, 32) if bare else make_model()
+    before = list(model.modules())
+    with pytest.raises(RuntimeError, match=r"Float8Config\(emulate=False\) needs fp8 tensor cores, "
+                                           r"but cpu \(.*\) has none; valid: emulate=None or True "
+                                           r"there, or a GPU with fp8 tensor cores \(compute "
+                                           r"capability >= 8\.9\)"):
+        convert_to_fp8(model, recipe=Float8Config(emulate=False))
+    after = list(model.modules())
+    assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
+
+
 def test_convert_rejects_non_module():
     with pytest.raises(TypeError, match=r"convert_to_fp8 needs an nn.Module, got list"):
         convert_to_fp8([nn.Linear(16, 16)])

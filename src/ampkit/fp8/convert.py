@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import nn
 
 from .config import Float8Config, Recipe
-from .linear import Float8Linear, check_fp8_dims
+from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
 
 logger = logging.getLogger("ampkit.fp8")
 
@@ -47,6 +48,13 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     return swaps, skips
 
 
+def _check_devices(config: Float8Config, linears: list[nn.Linear]) -> None:
+    """Refuse emulate=False before the first swap, not at the first forward."""
+    # A "meta" model is checked at its first forward, once it is on a real device.
+    for device in {linear.weight.device for linear in linears} - {torch.device("meta")}:
+        check_fp8_backend(config, device)
+
+
 def convert_to_fp8(model: nn.Module, *,
                    recipe: Union[str, Recipe, Float8Config] = Recipe.TENSORWISE,
                    module_filter: Optional[ModuleFilter] = None) -> nn.Module:
@@ -61,7 +69,9 @@ def convert_to_fp8(model: nn.Module, *,
     Args:
         model: the model; a bare nn.Linear is returned converted (it cannot be swapped
             inside itself).
-        recipe: "tensorwise", "delayed", "rowwise", a Recipe, or a Float8Config.
+        recipe: "tensorwise", "delayed", "rowwise", a Recipe, or a Float8Config;
+            ``Float8Config(emulate=False)`` on a device without fp8 tensor cores raises
+            RuntimeError before any swap.
         module_filter: ``module_filter(linear, fqn) -> bool``; False keeps that layer.
 
     Returns:
@@ -84,8 +94,10 @@ def convert_to_fp8(model: nn.Module, *,
             logger.info("convert_to_fp8: kept the model (%s) as it is: %s",
                         type(model).__name__, reason)
             return model
+        _check_devices(config, [model])
         return Float8Linear.from_linear(model, config)
     swaps, skips = _plan(model, module_filter)
+    _check_devices(config, [linear for _, _, linear in swaps])
     converted: dict[int, Float8Linear] = {}  # one layer used in several slots stays one layer
     for parent, name, linear in swaps:
         if id(linear) not in converted:

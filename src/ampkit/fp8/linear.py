@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .._dtypes import fp8_supported
+from .._dtypes import capability, fp8_supported
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
@@ -40,6 +40,16 @@ def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
         return (f"in_features={in_features} and out_features={out_features} must both "
                 f"be multiples of 16 for fp8 GEMMs")
     return None
+
+
+def check_fp8_backend(config: Float8Config, device: torch.device) -> None:
+    """Raise RuntimeError when ``config`` demands fp8 tensor cores (emulate=False) that
+    ``device`` lacks."""
+    if config.emulate is not False or fp8_supported(str(device)):
+        return
+    raise RuntimeError(f"Float8Config(emulate=False) needs fp8 tensor cores, but {device} "
+                       f"({capability(str(device)).name}) has none; valid: emulate=None or True "
+                       "there, or a GPU with fp8 tensor cores (compute capability >= 8.9)")
 
 
 def fp8_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, native: bool,
@@ -310,9 +320,8 @@ class Float8Linear(nn.Linear):
 
     def _use_scaled_mm(self) -> bool:
         native = self._resolve_backend()
-        if not native and self.config.emulate is False:
-            raise RuntimeError(f"Float8Config(emulate=False) needs fp8 tensor cores, but "
-                               f"{self.weight.device} has none; valid: emulate=None or True there")
+        if not native:
+            check_fp8_backend(self.config, self.weight.device)
         return native
 
     def _warmup_step(self) -> bool:
