@@ -212,3 +212,78 @@ def test_a_region_for_another_device_does_not_hide_this_ones():
                 assert torch.addmm(a.bfloat16(), b.bfloat16(), c.bfloat16()).dtype is torch.bfloat16
         with autocast("cpu", enabled=False):
             assert torch.addmm(a.bfloat16(), b.bfloat16(), c.bfloat16()).dtype is torch.bfloat16
+
+
+class _Lockable:
+    """A namespace whose attributes can be made read-only after a registration."""
+
+    def __init__(self, **fns):
+        self.__dict__.update(fns, locked=False)
+
+    def lock(self, locked=True):
+        self.__dict__["locked"] = locked
+
+    def __setattr__(self, name, value):
+        if self.locked:
+            raise AttributeError(f"attribute {name!r} is read-only")
+        super().__setattr__(name, value)
+
+
+def _nesting() -> int:
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting()
+
+
+def _torch_state():
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(), _nesting())
+
+
+def test_an_attribute_that_cannot_be_set_is_refused_at_registration():
+    with pytest.raises(ValueError, match=r"cannot override _VariableFunctionsClass.mm: its attribute "
+                                         r"'mm' cannot be reassigned.*valid: "):
+        ampkit.register_float_function(torch._C._VariableFunctions, "mm")
+    assert overrides.registrations() == []
+    with autocast("cpu", dtype="bf16"):  # entering still works
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_failed_entry_restores_torch_autocast_state_exactly():
+    ns = _Lockable(f=lambda x: x)
+    ampkit.register_float_function(ns, "f")
+    ns.lock()  # the override can no longer be put in place
+    try:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            before = _torch_state()
+            with pytest.raises(AttributeError, match="read-only"):
+                with autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+                    pass
+            assert _torch_state() == before
+        before = _torch_state()
+        with pytest.raises(AttributeError, match="read-only"):
+            autocast("cpu", dtype=torch.float16).__enter__()
+        assert _torch_state() == before and not before[0]
+        assert overrides.active_frame() is None and overrides._open_regions == []
+    finally:
+        ns.lock(False)
+
+
+def test_a_failed_install_puts_back_the_overrides_already_installed():
+    ok = types.SimpleNamespace(g=lambda x: x)
+    ns = _Lockable(f=lambda x: x)
+    original = ok.g
+    ampkit.register_float_function(ok, "g")
+    ampkit.register_float_function(ns, "f")
+    ns.lock()
+    try:
+        with pytest.raises(AttributeError):
+            with autocast("cpu"):
+                pass
+        assert ok.g is original
+    finally:
+        ns.lock(False)
+    with autocast("cpu"):  # installable again: the next entry installs both
+        assert ok.g is not original
+    assert ok.g is original
+

@@ -98,15 +98,23 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
             device = self.device_type
             self._prev = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
                           torch.get_autocast_dtype(device))
-            torch.set_autocast_enabled(device, self._enabled)
-            torch.set_autocast_dtype(device, self.fast_dtype)
             torch.autocast_increment_nesting()
-            torch.set_autocast_cache_enabled(self._cache_enabled)
-        overrides.push_frame(self.device_type, self.fast_dtype, self._enabled)
+        try:  # free unless it raises: entering costs what it did
+            if self._delegate is None:
+                torch.set_autocast_enabled(device, self._enabled)
+                torch.set_autocast_dtype(device, self.fast_dtype)
+                torch.set_autocast_cache_enabled(self._cache_enabled)
+            overrides.push_frame(self.device_type, self.fast_dtype, self._enabled)
+        except BaseException:
+            self._restore_torch(None, None, None)  # as before the failed entry, nesting too
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         overrides.pop_frame()
+        return self._restore_torch(exc_type, exc, tb)
+
+    def _restore_torch(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self._delegate is not None:
             delegate, self._delegate = self._delegate, None
             return bool(delegate.__exit__(exc_type, exc, tb))

@@ -68,8 +68,12 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     _local.frames.append((device_type, dtype, enabled))  # a plain tuple: cheapest to build
     _open_regions.append(None)
     if _registry:  # under the lock: a concurrent last-region exit may be uninstalling
-        with _lock:
-            _sync_installed()
+        try:
+            with _lock:
+                _sync_installed()
+        except BaseException:
+            pop_frame()  # an override could not be put in place: this region never opened
+            raise
 
 
 def pop_frame() -> None:
@@ -85,10 +89,18 @@ def _sync_installed() -> None:
     """Under _lock: overrides are in place exactly while some region is open."""
     global _installed
     want = bool(_open_regions)
-    if want != _installed:
+    if want == _installed:
+        return
+    done: list[Registration] = []
+    try:
         for reg in _registry.values():
-            setattr(reg.module, reg.name, reg.wrapper if want else reg.original)
-        _installed = want
+            reg.put_in_place(want)
+            done.append(reg)
+    except BaseException:
+        for reg in done:  # all or none: never leave some overrides installed
+            reg.put_in_place(not want)
+        raise
+    _installed = want
 
 
 def active_frame(device_type: Optional[str] = None) -> Optional[_Frame]:
@@ -187,12 +199,16 @@ class Registration:
     original: Callable[..., Any]
     wrapper: Callable[..., Any]
 
+    def put_in_place(self, installed: bool) -> None:
+        """Set ``module.name`` to the wrapper (``installed``) or back to the original."""
+        setattr(self.module, self.name, self.wrapper if installed else self.original)
+
     def remove(self) -> None:
         global _installed
         with _lock:
             if _registry.get((id(self.module), self.name)) is self:
                 del _registry[(id(self.module), self.name)]
-                setattr(self.module, self.name, self.original)
+                self.put_in_place(False)
             if not _registry:
                 _installed = False  # nothing left in place; the next registration re-syncs
 
@@ -214,12 +230,30 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
                              f"{previous.kind.value} function; call .remove() on that "
                              "registration (or ampkit.overrides.clear()) first")
         reg = Registration(module, name, kind, original, _casting_wrapper(original, kind))
+        _check_installable(reg)
         _registry[key] = reg
         if _installed:
-            setattr(module, name, reg.wrapper)
+            reg.put_in_place(True)
         else:
             _sync_installed()
     return reg
+
+
+def _check_installable(reg: Registration) -> None:
+    """Put the wrapper in place and back, so that entering a region cannot fail on it."""
+    cause: Optional[Exception] = None
+    try:
+        reg.put_in_place(True)
+        took = getattr(reg.module, reg.name, None) is reg.wrapper
+        reg.put_in_place(False)
+    except Exception as err:  # noqa: BLE001 - any refusal to be set (read-only, frozen, ...)
+        took, cause = False, err
+    if not took:
+        why = f" ({cause})" if cause else " (the new value does not read back)"
+        raise ValueError(f"cannot override {_module_name(reg.module)}.{reg.name}: its attribute "
+                         f"{reg.name!r} cannot be reassigned{why}; valid: a module, class or "
+                         "object whose attribute can be set, e.g. torch, torch.nn.functional"
+                         ) from cause
 
 
 def _module_name(module: Any) -> str:
