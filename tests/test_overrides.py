@@ -287,3 +287,11 @@ def test_a_failed_install_puts_back_the_overrides_already_installed():
         assert ok.g is not original
     assert ok.g is original
 
+
+@pytest.mark.parametrize("decorator", [ampkit.half_function, ampkit.float_function,
+                                       ampkit.promote_function])
+@pytest.mark.parametrize("bad", [None, 3, "torch.mm"])
+def test_decorators_refuse_non_callables(decorator, bad):
+    with pytest.raises(TypeError, match=rf"{decorator.__name__}\(\) needs a callable, got "
+                                        rf"{type(bad).__name__} {bad!r}"):
+        decorator(bad)

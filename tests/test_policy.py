@@ -121,3 +121,15 @@ def test_with_half_dtype_rejects_non_half():
 def test_a_key_given_twice_is_refused():
     with pytest.raises(ValueError, match=r"sets param_dtype twice \(item 'p=bf16'\)"):
         get_policy("p=f32,p=bf16,c=bf16,o=f32")
+
+
+@pytest.mark.parametrize("field", ["autocast", "master_weights", "keep_batchnorm_fp32"])
+@pytest.mark.parametrize("bad", ["yes", "False", 1, None])
+def test_bool_fields_must_be_bools(field, bad):
+    with pytest.raises(TypeError, match=rf"Policy.{field}={bad!r} must be a bool; valid: True, False"):
+        Policy(param_dtype=F16, compute_dtype=F16, **{field: bad})
+
+
+def test_a_bad_bool_field_is_refused_by_replace_too():
+    with pytest.raises(TypeError, match=r"Policy.autocast='yes' must be a bool"):
+        get_policy("O1").replace(autocast="yes")

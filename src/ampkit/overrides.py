@@ -289,14 +289,21 @@ def clear() -> None:
 
 def half_function(fn: F) -> F:
     """Decorator: the function runs in the active half dtype under ampkit.autocast."""
-    return _casting_wrapper(fn, CastKind.HALF)
+    return _decorate(fn, CastKind.HALF, "half_function")
 
 
 def float_function(fn: F) -> F:
     """Decorator: the function runs in fp32 under ampkit.autocast."""
-    return _casting_wrapper(fn, CastKind.FLOAT)
+    return _decorate(fn, CastKind.FLOAT, "float_function")
 
 
 def promote_function(fn: F) -> F:
     """Decorator: the function runs in its arguments' widest floating dtype under ampkit.autocast."""
-    return _casting_wrapper(fn, CastKind.PROMOTE)
+    return _decorate(fn, CastKind.PROMOTE, "promote_function")
+
+
+def _decorate(fn: F, kind: CastKind, decorator: str) -> F:
+    if not callable(fn):
+        raise TypeError(f"{decorator}() needs a callable, got {type(fn).__name__} {fn!r}; "
+                        f"valid: a function or other callable (@ampkit.{decorator} on a def)")
+    return _casting_wrapper(fn, kind)

@@ -53,6 +53,10 @@ class Policy:
             if value not in FLOAT_DTYPES:
                 raise ValueError(f"Policy.{attr}={value!r} is not a floating dtype ampkit "
                                  f"supports; valid: float32, float16, bfloat16")
+        for attr in ("autocast", "master_weights", "keep_batchnorm_fp32"):
+            value = getattr(self, attr)
+            if not isinstance(value, bool):  # "no" or "False" would read as True
+                raise TypeError(f"Policy.{attr}={value!r} must be a bool; valid: True, False")
         object.__setattr__(self, "loss_scale", _check_loss_scale(self.loss_scale))
         if self.autocast and self.compute_dtype not in HALF_DTYPES:
             raise ValueError(f"Policy(autocast=True) needs a half compute_dtype, got "
