@@ -105,6 +105,42 @@ def test_bad_fp8_state_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"fp8 state has modules \['0'\]; valid: exactly \['0', '1'\]"):
         load_fp8_state_dict(model, {"0": state["0"]})
     bad = {"0": dict(state["0"], started=True), "1": dict(state["1"], amax_history_input=torch.ones(3))}
-    with pytest.raises(ValueError, match=r"state\['amax_history_input'\] must be a tensor of shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"fp8 state\['1'\]\['amax_history_input'\] is a torch.float32 "
+                                         r"tensor of shape \(3,\); valid: a torch.float32 tensor of "
+                                         r"shape \(4,\) \(amax_history_len=4\)"):
         load_fp8_state_dict(model, bad)
     assert model[0]._delayed_started is False  # module 0 was not loaded either
+
+
+@pytest.mark.parametrize("key, value, error, match", [
+    ("amax_history_input", torch.tensor([1.0, 2.0, float("nan"), 0.0]), ValueError,
+     r"\['amax_history_input'\] has nan at index 2"),
+    ("amax_history_weight", torch.tensor([1.0, float("inf"), 0.0, 0.0]), ValueError,
+     r"\['amax_history_weight'\] has inf at index 1"),
+    ("amax_history_grad_output", torch.tensor([1.0, 0.0, 0.0, -3.0]), ValueError,
+     r"\['amax_history_grad_output'\] has -3.0 at index 3"),
+    ("amax_history_input", torch.ones(4, dtype=torch.float16), ValueError,
+     r"\['amax_history_input'\] is a torch.float16 tensor of shape \(4,\)"),
+    ("amax_history_input", [1.0, 1.0, 1.0, 1.0], TypeError,
+     r"\['amax_history_input'\] must be a tensor, got list \[1.0"),
+    ("started", 1, TypeError, r"\['started'\] must be True or False, got int 1"),
+    ("started", torch.tensor(True), TypeError, r"\['started'\] must be True or False, got Tensor"),
+])
+def test_a_bad_entry_of_the_third_layer_leaves_the_first_two_unloaded(key, value, error, match):
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return convert_to_fp8(nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))), recipe=DELAYED)
+
+    trained = make()
+    trained(torch.randn(8, 32)).sum().backward()
+    state = fp8_state_dict(trained)
+    state["2"][key] = value
+    model = make()
+    before = fp8_state_dict(model)
+    with pytest.raises(error, match=r"fp8 state\['2'\]" + match + ".*valid: "):
+        load_fp8_state_dict(model, state)
+    after = fp8_state_dict(model)
+    for name in ("0", "1"):
+        assert after[name]["started"] is False and state[name]["started"] is True
+        assert torch.equal(after[name]["amax_history_input"], before[name]["amax_history_input"])
+        assert not torch.equal(after[name]["amax_history_input"], state[name]["amax_history_input"])

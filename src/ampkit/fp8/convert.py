@@ -110,6 +110,12 @@ def convert_to_fp8(model: nn.Module, *,
     return model
 
 
+def _delayed_layers(model: nn.Module) -> dict[str, Float8Linear]:
+    """The delayed-recipe Float8Linear layers of ``model`` by name (a shared one once)."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, Float8Linear) and module.config.recipe is Recipe.DELAYED}
+
+
 def fp8_state_dict(model: nn.Module) -> dict[str, dict[str, Any]]:
     """The delayed-scaling state of every Float8Linear in ``model``, by module name.
 
@@ -121,19 +127,23 @@ def fp8_state_dict(model: nn.Module) -> dict[str, dict[str, Any]]:
         >>> sorted(fp8_state_dict(m)["0"])
         ['amax_history_grad_output', 'amax_history_input', 'amax_history_weight', 'started']
     """
-    return {name: module.fp8_state_dict() for name, module in model.named_modules()
-            if isinstance(module, Float8Linear) and module.config.recipe is Recipe.DELAYED}
+    return {name: layer.fp8_state_dict() for name, layer in _delayed_layers(model).items()}
 
 
 def load_fp8_state_dict(model: nn.Module, state: dict[str, dict[str, Any]]) -> None:
-    """Restore what :func:`fp8_state_dict` saved (every entry checked before any is loaded)."""
-    modules = fp8_state_dict(model)
-    if not isinstance(state, dict) or sorted(state) != sorted(modules):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"fp8 state has modules {got}; valid: exactly {sorted(modules)} "
+    """Restore what :func:`fp8_state_dict` saved.
+
+    Every entry is checked before any is loaded: the layer names, each layer's keys,
+    amax histories (float32, ``amax_history_len`` long, finite, >= 0) and ``started``
+    flags (bool). A bad entry raises ValueError or TypeError naming it, and the model is
+    left as it was.
+    """
+    layers = _delayed_layers(model)
+    if not isinstance(state, dict) or set(state) != set(layers):
+        got = sorted(state, key=str) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"fp8 state has modules {got}; valid: exactly {sorted(layers)} "
                          "(the delayed-recipe Float8Linear layers of this model)")
-    named = dict(model.named_modules())
-    for name in modules:
-        named[name].check_fp8_state_dict(state[name])
-    for name in modules:
-        named[name].load_fp8_state_dict(state[name])
+    for name, layer in layers.items():
+        layer.check_fp8_state_dict(state[name], where=f"fp8 state[{name!r}]")
+    for name, layer in layers.items():
+        layer.load_fp8_state_dict(state[name])

@@ -203,6 +203,21 @@ def _output_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _check_history(value: Any, like: Tensor, where: str) -> None:
+    """Raise unless ``value`` could be an amax history like ``like``."""
+    valid = (f"valid: a {like.dtype} tensor of shape {tuple(like.shape)} (amax_history_len="
+             f"{like.numel()}) of finite values >= 0")
+    if not torch.is_tensor(value):
+        raise TypeError(f"{where} must be a tensor, got {type(value).__name__} {value!r}; {valid}")
+    if value.shape != like.shape or value.dtype != like.dtype:
+        raise ValueError(f"{where} is a {value.dtype} tensor of shape {tuple(value.shape)}; {valid}")
+    # A NaN or negative amax would give every later cast a NaN or negative scale.
+    bad = (~value.isfinite() | (value < 0)).nonzero()  # one host sync, when loading only
+    if len(bad):
+        index = int(bad[0, 0])
+        raise ValueError(f"{where} has {value[index].item()} at index {index}; {valid}")
+
+
 def _warn_emulation_once(device: torch.device) -> None:
     if device.type in _emulation_warned or device.type == "meta":
         return
@@ -362,18 +377,20 @@ class Float8Linear(nn.Linear):
             state[f"amax_history_{name}"] = getattr(self, f"amax_history_{name}").detach().clone()
         return state
 
-    def check_fp8_state_dict(self, state: dict[str, Any]) -> None:
-        """Raise ValueError unless ``state`` is what :meth:`fp8_state_dict` gives here."""
+    def check_fp8_state_dict(self, state: dict[str, Any], *,
+                             where: str = "Float8Linear fp8 state") -> None:
+        """Raise ValueError/TypeError unless ``state`` is what :meth:`fp8_state_dict` gives
+        here; ``where`` names ``state`` in the message."""
         expected = self.fp8_state_dict()
-        if not isinstance(state, dict) or sorted(state) != sorted(expected):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"Float8Linear fp8 state has keys {got}; valid: {sorted(expected)}")
+        if not isinstance(state, dict) or set(state) != set(expected):
+            got = sorted(state, key=str) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{where} has keys {got}; valid: {sorted(expected)}")
         for key, value in expected.items():
-            if torch.is_tensor(value) and not (torch.is_tensor(state[key])
-                                               and state[key].shape == value.shape):
-                raise ValueError(f"Float8Linear fp8 state[{key!r}] must be a tensor of shape "
-                                 f"{tuple(value.shape)} (amax_history_len="
-                                 f"{self.config.amax_history_len}), got {state[key]!r}")
+            if torch.is_tensor(value):
+                _check_history(state[key], value, f"{where}[{key!r}]")
+            elif not isinstance(state[key], bool):
+                raise TypeError(f"{where}[{key!r}] must be True or False, got "
+                                f"{type(state[key]).__name__} {state[key]!r}; valid: True, False")
 
     @torch.no_grad()
     def load_fp8_state_dict(self, state: dict[str, Any]) -> None:
