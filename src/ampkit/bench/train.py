@@ -9,8 +9,10 @@ and the amp state, written at the end of every epoch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
@@ -188,9 +190,37 @@ class Trainer:
         """Write the checkpoint atomically (a crash mid-write leaves the previous one)."""
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
+        _remove_stale_temp_files(path)
         tmp = f"{path}.tmp{os.getpid()}"
         torch.save(self.state_dict(), tmp)
         os.replace(tmp, path)
+
+
+def _remove_stale_temp_files(path: str) -> None:
+    """Remove the ``PATH.tmp<pid>`` files of saves that were killed mid-write.
+
+    Only that checkpoint's own temp files, and only when process ``pid`` is gone (a
+    POSIX check; elsewhere none are removed): a live writer keeps its file.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern = re.compile(re.escape(name) + r"\.tmp(\d+)")
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        match = pattern.fullmatch(entry)
+        if match and not _process_exists(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _process_exists(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # no cheap, safe check (os.kill(pid, 0) signals on Windows)
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        pass
+    return True
 
 
 def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
@@ -206,6 +236,7 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
 
 def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a checkpoint (tensors and plain values only: no code runs on load)."""
+    _remove_stale_temp_files(path)
     if not os.path.isfile(path):
         raise TrainError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
                          "of an earlier run")
