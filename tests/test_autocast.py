@@ -159,6 +159,10 @@ def test_exported():
     ({"dtype": "fp8"}, ValueError, r"unknown autocast dtype 'fp8'; valid names: .*bf16"),
     ({"dtype": torch.int8}, ValueError, r"autocast dtype torch.int8 is not allowed"),
     ({"enabled": "yes"}, TypeError, r"enabled must be a bool, got 'yes'"),
+    ({"enabled": "False"}, TypeError, r"enabled must be a bool, got 'False'; valid: True, False"),
+    ({"enabled": 0}, TypeError, r"enabled must be a bool, got 0; valid: True, False"),
+    ({"cache_enabled": "yes"}, TypeError,
+     r"cache_enabled must be a bool or None, got 'yes'; valid: True, False, None"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -181,3 +185,4 @@ def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatc
         expected = torch.mm(a, b).relu()
     assert got.dtype is torch.bfloat16 and torch.equal(got, expected)
     assert not torch.is_autocast_enabled("cpu")
+

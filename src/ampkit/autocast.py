@@ -68,8 +68,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
     def __init__(self, device_type: Optional[str] = None,
                  dtype: Optional[Union[torch.dtype, str]] = None, enabled: bool = True,
                  cache_enabled: Optional[bool] = None) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        _check_flags(enabled, cache_enabled)
         self.device_type = _device_type(device_type)
         self.enabled = enabled
         self.cache_enabled = cache_enabled
@@ -141,3 +140,12 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
     def __repr__(self) -> str:
         return (f"ampkit.autocast(device_type={self.device_type!r}, dtype={self.fast_dtype}, "
                 f"enabled={self.enabled})")
+
+
+def _check_flags(enabled: Any, cache_enabled: Any) -> None:
+    """torch only fails on these when entering; refuse them before anything is switched."""
+    if not isinstance(enabled, bool):  # a string "False" must never mean enabled
+        raise TypeError(f"enabled must be a bool, got {enabled!r}; valid: True, False")
+    if cache_enabled is not None and not isinstance(cache_enabled, bool):
+        raise TypeError(f"cache_enabled must be a bool or None, got {cache_enabled!r}; "
+                        "valid: True, False, None")
