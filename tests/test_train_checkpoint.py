@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit.bench.train import TrainSettings, train
+from ampkit.bench.train import TrainSettings, load_checkpoint, train
 from ampkit.cli import main
 
 SETTINGS = TrainSettings(data="synthetic", policy="32-true", epochs=1, batch_size=256)
@@ -63,3 +63,31 @@ def test_save_and_resume_remove_stale_temp_files_of_that_checkpoint_only(tmp_pat
         train(SETTINGS, checkpoint=str(ckpt))
     assert not stale.exists()
     assert all(path.exists() for path in kept)
+
+
+def test_flipped_bytes_in_the_tensor_data_are_refused(capsys, ckpt):
+    data = bytearray(ckpt.read_bytes())
+    middle = len(data) // 2  # inside the tensor data, which is most of the file
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    ckpt.write_bytes(bytes(data))
+    torch.load(ckpt, weights_only=True)  # torch reads it without a complaint
+    line = resume_error(capsys, ckpt)
+    assert f"checkpoint {str(ckpt)!r} is corrupted" in line and "sha256" in line
+
+
+def test_a_checkpoint_without_a_digest_is_refused(capsys, ckpt):
+    state = load_checkpoint(str(ckpt))
+    torch.save(dict(state, format="ampkit-train-1"), ckpt)  # as ampkit wrote it before digests
+    line = resume_error(capsys, ckpt)
+    assert "has no sha256 digest (format 'ampkit-train-1', written by an earlier ampkit)" in line
+    assert "valid: a checkpoint in format 'ampkit-train-2'" in line
+
+
+@pytest.mark.parametrize("content, words", [
+    ([1, 2], "is not an ampkit train checkpoint (format 'list')"),
+    ({"format": "ampkit-train-2", "sha256": "0" * 64}, "is corrupted"),  # no payload
+])
+def test_a_foreign_file_is_refused(capsys, tmp_path, content, words):
+    path = tmp_path / "other.pt"
+    torch.save(content, path)
+    assert words in resume_error(capsys, path)

@@ -241,7 +241,9 @@ _TRAIN_HELP = """\
 Train a classifier with any policy or opt level, with test accuracy per epoch.
 Data: digits (scikit-learn's 8x8 digits, the default), cifar10 (local files via
 torchvision, never downloaded), synthetic. --checkpoint writes model, optimizer,
-GradScaler and amp state after every epoch; --resume continues exactly where it stopped."""
+GradScaler and amp state after every epoch, with a sha256 digest of its content; --resume
+continues exactly where it stopped, and refuses a checkpoint whose digest does not match
+(corrupted) or that has none (format ampkit-train-1, from before digests)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,7 +316,9 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--epochs", type=int, default=10, help="total epochs (default 10)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint after every epoch")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint (its "
+                   "sha256 digest is checked; a checkpoint without one, written before "
+                   "digests, is refused)")
 
 
 def _usage_errors() -> tuple[type[Exception], ...]:

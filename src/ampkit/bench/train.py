@@ -4,18 +4,21 @@ The step is the benchmark's ``train_step`` under the same ``Precision``, so what
 ``ampkit bench`` measures is what ``ampkit train`` runs. Exact resumption: the initial
 weights come from the seed, each epoch's shuffle from (seed, epoch) alone, and a
 checkpoint holds the model (fp32, the masters under O2), the optimizer, the GradScaler
-and the amp state, written at the end of every epoch.
+and the amp state, written at the end of every epoch with the sha256 digest of its
+bytes, which a resume checks (torch.load verifies no checksum).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import math
 import os
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -30,7 +33,9 @@ from .workloads import (WorkloadError, call_user_function, classification_loss, 
                         make_mlp, make_resnet18)
 
 TRAIN_MODELS = "mlp, cnn, resnet18, or package.module:function"
-_FORMAT = "ampkit-train-1"
+# Format 2: the file holds {"format", "sha256", "payload"}, the payload being the
+# torch.save bytes of the state; format 1 (no digest) is refused.
+_FORMAT, _UNSEALED_FORMAT = "ampkit-train-2", "ampkit-train-1"
 # Settings a resumed run must share with the checkpoint (epochs may grow).
 _RESUME_KEYS = ("model", "data", "policy", "batch_size", "lr", "seed")
 OnEpoch = Callable[[dict[str, Any]], None]
@@ -192,8 +197,40 @@ class Trainer:
         os.makedirs(folder, exist_ok=True)
         _remove_stale_temp_files(path)
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(self.state_dict(), tmp)
+        torch.save(_seal(self.state_dict()), tmp)
         os.replace(tmp, path)
+
+
+def _seal(state: dict[str, Any]) -> dict[str, Any]:
+    """The file's record: ``state`` serialized, with the sha256 digest of those bytes.
+
+    torch.load checks no CRC, so flipped bits in tensor data would load silently.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    return {"format": _FORMAT, "sha256": hashlib.sha256(payload).hexdigest(),
+            "payload": torch.frombuffer(payload, dtype=torch.uint8)}
+
+
+def _unseal(record: Any, path: str) -> Any:
+    """The payload of a record that ``_seal`` wrote, once its digest matches."""
+    found = record.get("format") if isinstance(record, dict) else type(record).__name__
+    if found == _UNSEALED_FORMAT:
+        raise TrainError(f"--resume: checkpoint {path!r} has no sha256 digest (format "
+                         f"{found!r}, written by an earlier ampkit), so its content cannot be "
+                         f"verified; valid: a checkpoint in format {_FORMAT!r} (start again "
+                         "without --resume, or finish that run with the ampkit that wrote it)")
+    if found != _FORMAT:
+        raise TrainError(f"--resume: {path!r} is not an ampkit train checkpoint (format "
+                         f"{found!r}); valid: a file that ampkit train --checkpoint wrote")
+    payload = record.get("payload")
+    ok = torch.is_tensor(payload) and payload.dtype == torch.uint8 and payload.dim() == 1
+    if not ok or hashlib.sha256(payload.numpy()).hexdigest() != record.get("sha256"):
+        raise TrainError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
+                         "match the sha256 digest stored with it; valid: an intact copy, or "
+                         "start again without --resume")
+    return _read(io.BytesIO(payload.numpy()), path)
 
 
 def _remove_stale_temp_files(path: str) -> None:
@@ -240,8 +277,12 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise TrainError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
                          "of an earlier run")
+    return _unseal(_read(path, path), path)
+
+
+def _read(source: Union[str, io.BytesIO], path: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file can fail in many ways
         raise TrainError(f"--resume: cannot read checkpoint {path!r} "
                          f"({type(err).__name__}: {err})") from None
