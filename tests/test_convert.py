@@ -11,7 +11,7 @@ from torch import nn
 
 from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
                             convert_model, remove_conversion)
-from ampkit.master import attach_master_weights
+from ampkit.optim import attach_master_weights
 from conftest import DEVICES, HALF_DTYPES
 
 

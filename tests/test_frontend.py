@@ -17,7 +17,7 @@ from ampkit import _state, frontend
 from ampkit.autocast import autocast
 from ampkit.convert import cast_model
 from ampkit.frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
-from ampkit.master import master_weights_of
+from ampkit.optim import master_weights_of
 from ampkit.overrides import register_float_function
 from ampkit.scaler import GradScaler
 from conftest import DEVICES, HALF_DTYPES
@@ -192,9 +192,15 @@ def test_reinitialize_same_model_leaves_no_stale_hooks():
     initialize(model, second, opt_level="O2")
     assert counts == [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._state_dict_hooks))
                       for m in model.modules()]
-    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model[0].parameters())
+    assert all(not p._post_accumulate_grad_hooks for p in model[0].parameters())  # none at all
     _loss(model, 0).backward()
+    half = master_weights_of(second).model_params
+    weights = [p.detach().clone() for p in half]
+    first.step()  # released: takes no half grads and writes nothing into the half params
+    assert all(torch.equal(a, b) for a, b in zip(weights, half))
+    assert all(p.grad is not None for p in half)
     assert all(m.grad is None for m in master_weights_of(first).master_params)
+    master_weights_of(second).move_grads()
     assert all(m.grad is not None for m in master_weights_of(second).master_params)
 
 
@@ -629,13 +635,26 @@ def test_fused_optimizer_skips_an_overflow_on_the_device_without_a_host_sync(lev
     assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
 
 
-def test_fused_overflow_is_still_logged_when_the_logger_listens(caplog):
+def test_fused_overflow_is_logged_later_without_a_host_sync(caplog, monkeypatch):
+    """A listening logger must not bring back the per-step sync that fused optimizers avoid:
+    the overflow is logged by the next scale_loss, from a copy already on the host."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     initialize(model, optimizer, opt_level="O1", verbosity=2)
     caplog.set_level(logging.WARNING, logger="ampkit")
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
     _step(model, optimizer, 0, overflow=True)
-    assert any("Gradient overflow" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert reads == []
+    assert not any("Gradient overflow" in r.getMessage() for r in caplog.records)
+    _step(model, optimizer, 1)
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert messages == ["Gradient overflow: the step of AdamW was skipped on the device; loss "
+                        "scaler 0 backed off"]
 
 
 def test_load_state_dict_of_a_non_dict_is_a_type_error():

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampkit.master import attach_master_weights, master_of, master_weights_of
+from ampkit.master import master_of
+from ampkit.optim import attach_master_weights, master_weights_of
 from conftest import DEVICES, HALF_DTYPES
 
 F32 = torch.float32
@@ -33,17 +34,40 @@ def test_half_params_get_fp32_masters_and_fp32_params_step_as_themselves(device,
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_backward_moves_grads_into_the_masters_and_frees_the_half_ones(dtype):
+def test_backward_leaves_half_grads_on_the_model_and_the_step_moves_them(dtype):
+    """Gradients stay where torch puts them until the optimizer takes them, as in fp32:
+    model.zero_grad() (or DDP) sees them there."""
     model = _half_model(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     attach_master_weights(opt)
     x = torch.randn(6, 4)
     out = model[2](model[1](model[0](x.to(dtype)).float()).to(dtype))
     out.float().sum().backward()
-    assert model[0].weight.grad is None and model[2].weight.grad is None
+    half_grad = model[0].weight.grad.clone()
+    assert half_grad.dtype is dtype
     master = master_of(model[0].weight)
-    assert master.grad is not None and master.grad.dtype is F32
-    assert model[1].weight.grad is not None  # fp32 params keep their own grads
+    assert master.grad is None
+    before = master.detach().clone()
+    opt.step()
+    assert model[0].weight.grad is None  # the half gradient was freed by the move
+    assert torch.equal(master, before - 0.5 * half_grad.float())
+
+
+def test_move_grads_unscales_only_the_new_grads_and_adds_them_to_the_masters():
+    model = _half_model(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mw = attach_master_weights(opt)
+    master = master_of(model[0].weight)
+    quarter = lambda grads: torch._foreach_mul_(grads, 0.25) if grads else None
+    model[0].weight.grad = torch.full_like(model[0].weight, 8.0)
+    mw.move_grads(quarter)
+    assert torch.equal(master.grad, torch.full_like(master, 2.0))
+    model[0].weight.grad = torch.full_like(model[0].weight, 4.0)  # a later, scaled backward
+    mw.move_grads(quarter)
+    assert torch.equal(master.grad, torch.full_like(master, 2.0 + 1.0))
+    assert model[0].weight.grad is None
+    opt.zero_grad()
+    assert master.grad is None
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -58,22 +82,6 @@ def test_step_updates_masters_and_copies_them_into_the_model(dtype):
     assert torch.equal(master, before - 0.5 * 1e-3)  # the fp32 master keeps the tiny update
     assert torch.equal(model[0].weight, master.to(dtype))  # the model gets it rounded
     assert master.grad is None  # consumed by the step
-
-
-def test_accumulation_after_unscale_brings_new_grads_to_the_same_scale():
-    model = _half_model(torch.bfloat16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    mw = attach_master_weights(opt)
-    master = master_of(model[0].weight)
-    model[0].weight.grad = torch.full_like(model[0].weight, 8.0)
-    mw.sync_grads()
-    master.grad.mul_(0.25)  # a scaler unscaled the masters by 1/4 ...
-    mw.note_unscaled(torch.tensor(0.25))  # ... and said so
-    model[0].weight.grad = torch.full_like(model[0].weight, 4.0)  # a later, scaled backward
-    mw.sync_grads()
-    assert torch.equal(master.grad, torch.full_like(master, 2.0 + 1.0))
-    opt.zero_grad()
-    assert master.grad is None and not mw.grads_unscaled
 
 
 def test_existing_optimizer_state_moves_onto_the_masters():
@@ -99,18 +107,24 @@ def test_add_param_group_adopts_half_params():
 def test_attaching_twice_is_refused():
     opt = torch.optim.SGD(_half_model(torch.float16).parameters(), lr=0.1)
     attach_master_weights(opt)
-    with pytest.raises(RuntimeError, match="SGD already has ampkit master weights"):
+    with pytest.raises(RuntimeError, match="SGD was already prepared by ampkit"):
         attach_master_weights(opt)
 
 
-def test_remove_detaches_the_hooks():
+def test_a_released_master_no_longer_moves_grads_or_writes_the_model():
+    """A later initialize gives the model other masters: the old optimizer must not
+    overwrite them with its stale ones."""
     model = _half_model(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mw = attach_master_weights(opt)
     mw.remove()
     assert master_of(model[0].weight) is None
     model[0](torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
-    assert model[0].weight.grad is not None  # no hook took it
+    with torch.no_grad():
+        model[0].weight.fill_(3.0)
+    opt.step()
+    assert model[0].weight.grad is not None  # not taken
+    assert (model[0].weight == 3.0).all()  # not overwritten
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -141,8 +155,6 @@ def test_a_refused_param_group_changes_nothing():
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": [model[2].weight, model[0].weight]})
     assert master_of(model[2].weight) is None and len(opt.param_groups) == 1
-    model[2](torch.randn(2, 8, dtype=torch.float16)).float().sum().backward()
-    assert model[2].weight.grad is not None  # no hook was left behind
 
 
 def test_sparse_grads_accumulate_across_scale_loss_calls():

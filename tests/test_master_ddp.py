@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampkit as amp
-from ampkit.master import master_weights_of
+from ampkit.optim import master_weights_of
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -45,7 +45,7 @@ def _local_master_grads(rank: int, step_state: dict, half: torch.dtype) -> list[
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, loss_scale=1.0)
     model(_batch(rank, 0)).float().pow(2).mean().backward()
-    master_weights_of(opt).sync_grads()  # no DDP here: the local gradient
+    master_weights_of(opt).move_grads()  # no DDP here: the local gradient
     return [p.grad.clone() for p in amp.master_params(opt)]
 
 

@@ -12,6 +12,7 @@ from . import fp8
 
 # Apex-style: opt levels, loss scaling, master weights, amp checkpoints
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
+from .frontend import _amp_state  # noqa: F401 - apex's private attribute, read by apex clients
 
 # Policies
 from .policy import Policy, get_policy

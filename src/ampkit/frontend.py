@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import numbers
-import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -29,32 +29,20 @@ from . import _state
 from ._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, default_device_type, resolve_dtype
 from .autocast import autocast
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
-from .master import MasterWeights, attach_master_weights, master_of, master_weights_of, release_masters
+from .master import MasterWeights, master_of, release_masters
+from .optim import ORPHAN_MESSAGE, AmpStash, is_orphan, master_weights_of, stash_of, wrap
 from .policy import OPT_LEVELS, Policy, get_policy
-from .scaler import GradScaler, unscale_grads_
+from .scaler import FP16_GRAD_MIN_SCALE, GradScaler, check_floor, unscale_grads_
 
 logger = logging.getLogger("ampkit")
 
 # verbosity -> logging level of ampkit's messages (overflows, the chosen opt level).
 # 2 is WARNING so the messages show without any logging configuration, like apex's prints.
 _LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING}
-_OPT_ATTR = "_ampkit_amp"
 _DYNAMIC_INIT_SCALE = 2.0**16  # apex's first dynamic scale
 _GROWTH_INTERVAL = 2000  # apex's clean steps before the scale doubles
 ModelArg = Union[nn.Module, Sequence[nn.Module]]
 OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
-
-
-@dataclass
-class _OptimizerAmp:
-    """What ``scale_loss`` tracks per optimizer (kept on the optimizer itself)."""
-
-    skip_next: bool = False  # an overflow: the next step() is a no-op
-    # Fused optimizers: the overflow flag stays on the device and the fused kernel skips
-    # the update itself, so scale_loss needs no host sync.
-    found_inf: Optional[Tensor] = None
-    grads_unscaled: bool = False  # .grad holds unscaled values (a non-delayed scale_loss ran)
-    stash: Optional[list[Optional[Tensor]]] = None  # those values, set aside during a backward
 
 
 @dataclass
@@ -65,15 +53,14 @@ class _AmpState:
     policy: Optional[Policy] = None
     scalers: list[GradScaler] = field(default_factory=list)
     log_level: int = logging.INFO
+    # False while the loss scale is a fixed 1.0: scale_loss has nothing to unscale. Set by
+    # initialize from the policy, and by writing _amp_state.loss_scalers[i]._loss_scale.
+    scaling: bool = False
+    overflow_notes: list["_OverflowNote"] = field(default_factory=list)
 
     @property
     def dynamic(self) -> bool:
         return self.policy is not None and self.policy.dynamic_loss_scale
-
-    @property
-    def scaling(self) -> bool:
-        """False when the loss scale is a fixed 1.0: scale_loss has nothing to do."""
-        return self.policy is not None and self.policy.loss_scale != 1.0
 
 
 _amp: Optional[_AmpState] = None
@@ -129,15 +116,18 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                              master_weights=master_weights, loss_scale=loss_scale,
                              cast_model_outputs=cast_model_outputs)
     scalers = _make_scalers(policy, count, device_type, min_loss_scale, max_loss_scale)
+    if enabled:
+        _check_params(model_list, opt_list, policy)
     # Nothing was modified above this line.
     global _amp
     if not enabled:
         _amp = _AmpState(enabled=False)
         _state.set_active(None)
     else:
-        _amp = _AmpState(True, policy, scalers, log_level)
+        _amp = _AmpState(True, policy, scalers, log_level, scaling=policy.loss_scale != 1.0)
         _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype))
         _apply(policy, model_list, opt_list, device_type, cast_model_outputs is not None)
+        _warn_about_bf16_o3(level, policy)
         logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
                    level, device_type, policy, count)
     return models if optimizers is None else (models, optimizers)
@@ -161,9 +151,9 @@ def _apply(policy: Policy, models: list[nn.Module], optimizers: list[torch.optim
     for model in models:
         convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_fp32, casts=casts)
     for optimizer in optimizers:
-        if policy.master_weights:
-            _seed_masters(attach_master_weights(optimizer), fp32_values)
-        _install_step_guard(optimizer)
+        masters = wrap(optimizer, master_weights=policy.master_weights).masters
+        if masters is not None:
+            _seed_masters(masters, fp32_values)
 
 
 @torch.no_grad()
@@ -199,48 +189,6 @@ def _forward_casts(policy: Policy, device_type: str, explicit_outputs: bool) -> 
                         autocast=region)
 
 
-def _install_step_guard(optimizer: torch.optim.Optimizer) -> None:
-    """Wrap step/zero_grad so an overflow found by scale_loss makes the next step a no-op."""
-    amp_state = _OptimizerAmp()
-    setattr(optimizer, _OPT_ATTR, amp_state)
-    step, zero_grad = optimizer.step, optimizer.zero_grad
-
-    def guarded_step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        if amp_state.skip_next:
-            # The overflowing step: params, masters and optimizer state stay as they are;
-            # the inf/NaN grads are dropped so they do not leak into the next iteration.
-            amp_state.skip_next = False
-            self.zero_grad(set_to_none=True)
-            return None
-        if amp_state.found_inf is not None:
-            return _fused_step(self, step, amp_state, args, kwargs)
-        return step(*args, **kwargs)
-
-    def guarded_zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        zero_grad(set_to_none=set_to_none)
-        amp_state.grads_unscaled = False
-        amp_state.stash = None
-
-    # Bound methods, as LRScheduler re-wraps ``optimizer.step.__func__``.
-    optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
-    optimizer.zero_grad = types.MethodType(guarded_zero_grad, optimizer)  # type: ignore[method-assign]
-
-
-def _fused_step(optimizer: torch.optim.Optimizer, step: Any, amp_state: _OptimizerAmp,
-                args: tuple, kwargs: dict) -> Any:
-    """Step a fused optimizer that reads found_inf on the device (as torch's GradScaler does).
-
-    The grads are unscaled already (grad_scale None); a non-zero found_inf makes the fused
-    kernel leave params and state untouched, including the step count.
-    """
-    found_inf, amp_state.found_inf = amp_state.found_inf, None
-    optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
-    try:
-        return step(*args, **kwargs)
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
-
-
 # --- initialize: argument checks ----------------------------------------------------------
 def _check_models(models: Any) -> list[nn.Module]:
     model_list = _as_list(models, "models", nn.Module, "torch.nn.Module")
@@ -262,7 +210,7 @@ def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
         if any(optimizer is other for other in opt_list[:i]):
             raise ValueError(f"optimizers[{i}] ({type(optimizer).__name__}) is listed twice; "
                              "valid: each optimizer once")
-        if hasattr(optimizer, _OPT_ATTR) or master_weights_of(optimizer) is not None:
+        if stash_of(optimizer) is not None:
             raise RuntimeError(
                 f"optimizers[{i}] ({type(optimizer).__name__}) was already passed through "
                 "ampkit.initialize; an optimizer can be initialized only once: create a new "
@@ -300,10 +248,52 @@ def _check_count(name: str, value: Any, low: int) -> int:
 
 
 def _device_type_of(models: list[nn.Module]) -> str:
-    for model in models:
-        for param in model.parameters():
+    for i, model in enumerate(models):
+        for name, param in model.named_parameters():
+            if param.device.type == "meta":
+                raise ValueError(
+                    f"models[{i}] has parameter {name!r} on the meta device (no data to train "
+                    "or cast); valid: a model with real storage, e.g. materialize it first with "
+                    "model.to_empty(device=...) and initialize its weights")
             return param.device.type
     return default_device_type()
+
+
+def _check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                  policy: Policy) -> None:
+    """Each optimizer steps some of the models' parameters, in non-empty groups, and under
+    master weights no parameter is stepped by two optimizers (one master per parameter).
+    """
+    model_params = {id(p) for model in models for p in model.parameters()}
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        params = []
+        for j, group in enumerate(optimizer.param_groups):
+            if not group["params"]:
+                raise ValueError(f"optimizers[{i}].param_groups[{j}] has no parameters; valid: "
+                                 "groups that each hold at least one parameter")
+            params.extend(group["params"])
+        if model_params and not any(id(p) in model_params for p in params):
+            raise ValueError(f"optimizers[{i}] ({type(optimizer).__name__}) steps none of the "
+                             "parameters of the models given to initialize; valid: an optimizer "
+                             "built over those models' parameters")
+        for p in params:
+            first = owner.setdefault(id(p), i)
+            if first != i and policy.master_weights:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in optimizers[{first}] and "
+                    f"optimizers[{i}]; with master weights each half parameter has one fp32 "
+                    "master that one optimizer steps; valid: each parameter in one optimizer")
+
+
+def _warn_about_bf16_o3(level: str, policy: Policy) -> None:
+    if level == "O3" and policy.param_dtype == torch.bfloat16 and not policy.master_weights:
+        warnings.warn(
+            "ampkit.initialize: opt_level O3 here trains the whole model in bfloat16 without "
+            "fp32 master weights, and bf16 keeps 8 bits of mantissa: updates smaller than about "
+            "1/256 of a weight are lost, so small-learning-rate recipes that trained under "
+            "apex's fp16 O3 can stall. Pass half_dtype=torch.float16 for apex's O3, or use "
+            "opt_level='O2' for fp32 master weights", UserWarning, stacklevel=3)
 
 
 # --- initialize: the policy and the loss scalers -------------------------------------------
@@ -373,6 +363,10 @@ def _make_scalers(policy: Policy, count: int, device_type: str, min_loss_scale: 
     if low is not None and high is not None and low > high:
         raise ValueError(f"min_loss_scale={min_loss_scale!r} is greater than "
                          f"max_loss_scale={max_loss_scale!r}; valid: min_loss_scale <= max_loss_scale")
+    if low is None and policy.param_dtype == torch.float16:
+        # The model's own gradients are fp16: below a scale of 1 every step flushes more of
+        # them to zero (at the fp32 floor all of them) instead of skipping.
+        low = FP16_GRAD_MIN_SCALE
     if policy.dynamic_loss_scale:
         return [GradScaler(device_type, init_scale=_DYNAMIC_INIT_SCALE,
                            growth_interval=_GROWTH_INTERVAL, min_scale=low, max_scale=high)
@@ -388,18 +382,24 @@ def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
                delay_overflow_check: bool = False) -> Iterator[Tensor]:
     """Yield ``loss.float() * scale``; on exit unscale the grads and check for overflow.
 
-    On exit (unless ``delay_unscale``): each optimizer's gradients (the fp32 masters' under
-    O2) are unscaled and checked for inf/NaN, loss scaler ``loss_id`` is updated and, after
-    an overflow, the next ``step()`` of exactly these optimizers does nothing (their
-    params, masters and state stay as they are; their grads are dropped). Several
-    scale_loss calls before one step accumulate: each unscales its own backward's grads.
+    On exit (unless ``delay_unscale``): each optimizer's gradients are unscaled (under O2
+    the model's half gradients are moved into the fp32 masters as they are unscaled) and
+    checked for inf/NaN, loss scaler ``loss_id`` is updated and, after an overflow, the
+    next ``step()`` of exactly these optimizers does nothing (their params, masters and
+    state stay as they are; their grads are dropped). Several scale_loss calls before one
+    step accumulate: each unscales its own backward's grads. Gradients that reach another
+    model's parameters in this backward stay there, untouched, until that model's
+    ``zero_grad()`` (a GAN's generator loss through the discriminator), as in fp32.
+
+    If the body raises, every gradient these optimizers' parameters received in it is
+    dropped (the ones they held before are put back), so no scaled gradient is ever
+    stepped.
 
     Host syncs: none when every optimizer is fused (``fused=True`` Adam/AdamW/SGD: the
     overflow flag stays on the device and the fused kernel skips the update, as with
-    torch's GradScaler) unless the ``ampkit`` logger is enabled at the overflow message's
-    level; otherwise one per call with a dynamic scale (reading the overflow flag, as apex
-    did); none with a fixed scale or ``delay_overflow_check``. A skipped fused step keeps
-    its (inf/NaN) grads until the next ``zero_grad``.
+    torch's GradScaler); otherwise one per call with a dynamic scale (reading the overflow
+    flag, as apex did); none with a fixed scale or ``delay_overflow_check``. A skipped
+    fused step keeps its (inf/NaN) grads until the next ``zero_grad``.
 
     Args:
         loss: the loss tensor (any dtype; the scaled loss is fp32).
@@ -420,69 +420,120 @@ def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
         yield loss
         return
     opts = _check_scale_loss(loss, optimizers, loss_id, amp)
-    if not amp.scaling:  # a fixed scale of 1.0: nothing to unscale, nothing to check
-        yield loss.float()
-        return
+    if amp.overflow_notes:
+        _report_overflows(amp)
+    delay_unscale = _check_bool("delay_unscale", delay_unscale)
+    delay_overflow_check = _check_bool("delay_overflow_check", delay_overflow_check)
+    scaling = amp.scaling
     scaler = amp.scalers[loss_id]
-    scaled = scaler.scale(loss.float())
-    inv_scale = scaler._inverse_scale()
-    masters_unscaled = [_prepare(opt, inv_scale, stash=not delay_unscale) for opt in opts]
+    scaled = scaler.scale(loss.float()) if scaling else loss.float()
+    held = [_set_aside(opt) for opt in opts]
     try:
         yield scaled
     except BaseException:
-        for opt in opts:
-            _restore_stash(opt)
+        for entry in held:
+            entry.restore()
         raise
-    if delay_unscale:
+    if not scaling:  # a fixed scale of 1.0: nothing to unscale or check
+        for opt, entry in zip(opts, held):
+            _take_grads(opt, entry, None, None, delay=True)
         return
+    inv_scale = scaler._inverse_scale()
     found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-    for opt, unscaled in zip(opts, masters_unscaled):
-        _unscale(opt, inv_scale, found_inf, unscaled)
+    for opt, entry in zip(opts, held):
+        _take_grads(opt, entry, inv_scale, found_inf, delay=delay_unscale)
+    if delay_unscale:
+        for opt in opts:  # checked with the call that does not delay
+            _stash(opt).pending_found_inf = _or_flag(_stash(opt).pending_found_inf, found_inf)
+        return
+    for opt in opts:
+        stash = _stash(opt)
+        if stash.pending_found_inf is not None:
+            found_inf.add_(stash.pending_found_inf.to(found_inf.device))
+            stash.pending_found_inf = None
     if amp.dynamic and not delay_overflow_check:
-        _update(scaler, found_inf, opts, loss_id, amp.log_level)
+        _update(amp, scaler, found_inf, opts, loss_id)
 
 
-def _prepare(optimizer: torch.optim.Optimizer, inv_scale: Tensor, stash: bool) -> bool:
-    """Before a backward: keep grads that an earlier scale_loss unscaled apart from new ones.
+@dataclass(eq=False)
+class _Held:
+    """The grads an optimizer's params held before a scale_loss body, set aside.
 
-    Returns whether the optimizer's masters hold unscaled grads already.
+    Backward then writes only the body's own gradients, so they can be unscaled apart
+    from grads an earlier scale_loss already unscaled, or dropped if the body raises.
+    ``own``: the params the optimizer steps itself (their ``.grad``); ``half``: the half
+    model params behind its fp32 masters (their grads are always still scaled).
     """
-    amp_state: _OptimizerAmp = getattr(optimizer, _OPT_ATTR)
-    masters = master_weights_of(optimizer)
-    masters_unscaled = masters is not None and masters.grads_unscaled
-    if masters_unscaled:
-        # The grad hooks unscale this backward's grads by this loss's scale as they arrive.
-        masters.note_unscaled(inv_scale)
-    if stash and amp_state.grads_unscaled:
-        own = _own_params(optimizer)
-        grads = [p.grad for p in own]
-        if any(g is not None for g in grads):
-            amp_state.stash = grads
-            for p in own:
-                p.grad = None
-    return masters_unscaled
+
+    own: list[Tensor]
+    own_grads: list[Optional[Tensor]]
+    own_unscaled: bool
+    half: list[Tensor]
+    half_grads: list[Optional[Tensor]]
+
+    def restore(self) -> None:
+        for params, grads in ((self.own, self.own_grads), (self.half, self.half_grads)):
+            for param, grad in zip(params, grads):
+                param.grad = grad
+
+    @torch.no_grad()
+    def add_back(self, *, own: bool, half: bool) -> None:
+        pairs = ([*zip(self.own, self.own_grads)] if own else []) + (
+            [*zip(self.half, self.half_grads)] if half else [])
+        summed = [(p.grad, old) for p, old in pairs if old is not None and p.grad is not None]
+        if summed:
+            torch._foreach_add_([g for g, _ in summed], [old for _, old in summed])
+        for param, old in pairs:
+            if param.grad is None:
+                param.grad = old
+        if own:
+            self.own_grads = [None] * len(self.own)
+        if half:
+            self.half_grads = [None] * len(self.half)
 
 
-def _unscale(optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor,
-             masters_unscaled: bool) -> None:
-    amp_state: _OptimizerAmp = getattr(optimizer, _OPT_ATTR)
-    masters = master_weights_of(optimizer)
-    if masters is not None:
-        masters.sync_grads()
-    if masters is not None and masters_unscaled:
-        own = [p.grad for p in _own_params(optimizer) if p.grad is not None]
-        _unscale_grads(own, inv_scale, found_inf)
-        # Unscaled already as they arrived: only checked for inf/NaN (multiplied by 1).
-        _unscale_grads(masters.master_grads(), torch.ones_like(inv_scale), found_inf)
-    else:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        _unscale_grads(grads, inv_scale, found_inf)
-    if masters is not None:
-        masters.note_unscaled(inv_scale)
-    if amp_state.stash is not None:
-        _add_stash(_own_params(optimizer), amp_state.stash)
-        amp_state.stash = None
-    amp_state.grads_unscaled = True
+def _set_aside(optimizer: torch.optim.Optimizer) -> _Held:
+    stash = _stash(optimizer)
+    own = _own_params(optimizer)
+    half = [] if stash.masters is None else list(stash.masters.model_params)
+    held = _Held(own, [p.grad for p in own], stash.grads_unscaled, half, [p.grad for p in half])
+    for param in own + half:
+        param.grad = None
+    return held
+
+
+def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Optional[Tensor],
+                found_inf: Optional[Tensor], delay: bool) -> None:
+    """After the body: unscale what its backward produced for ``optimizer`` (unless
+    ``delay``), move the model's half grads into the fp32 masters, add back what was held.
+
+    The half grads move on every exit, delayed or not, so micro-batches accumulate in fp32
+    in the masters; a delayed exit unscales them too (exact: a power-of-two multiply) and
+    its inf check is carried to the exit that does not delay. The optimizer's own (fp32)
+    grads stay scaled until that exit, as in apex.
+    """
+    stash = _stash(optimizer)
+    # Held grads still scaled join the new ones before the unscale; grads an earlier exit
+    # unscaled join after it.
+    held.add_back(own=delay or not held.own_unscaled, half=True)
+    own = [] if delay else [p.grad for p in held.own if p.grad is not None]
+    unscale = None
+    if inv_scale is not None and found_inf is not None:
+        def unscale(new_master_grads: list[Tensor]) -> None:
+            _unscale_grads(own + new_master_grads, inv_scale, found_inf)
+    if stash.masters is not None:
+        stash.masters.move_grads(unscale)
+    elif unscale is not None:
+        unscale([])
+    held.add_back(own=True, half=False)
+    if not delay:
+        stash.grads_unscaled = True
+
+
+def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
+    """Several overflow flags as one (any overflow counts)."""
+    flag = flag.detach().reshape(())
+    return flag.clone() if held is None else torch.maximum(held, flag.to(held.device))
 
 
 def _unscale_grads(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
@@ -500,53 +551,70 @@ def _own_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for p in params if id(p) not in master_ids]
 
 
-@torch.no_grad()
-def _add_stash(params: list[Tensor], stash: list[Optional[Tensor]]) -> None:
-    pairs = [(p, old) for p, old in zip(params, stash) if old is not None]
-    summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
-    if summed:
-        torch._foreach_add_([g for g, _ in summed], [old for _, old in summed])
-    for p, old in pairs:
-        if p.grad is None:
-            p.grad = old
+def _stash(optimizer: torch.optim.Optimizer) -> AmpStash:
+    stash = stash_of(optimizer)
+    assert stash is not None  # _check_scale_loss let only prepared optimizers through
+    return stash
 
 
-def _restore_stash(optimizer: torch.optim.Optimizer) -> None:
-    """The body raised: put the grads set aside by _prepare back (partial new ones dropped)."""
-    amp_state: _OptimizerAmp = getattr(optimizer, _OPT_ATTR)
-    if amp_state.stash is not None:
-        for p, old in zip(_own_params(optimizer), amp_state.stash):
-            p.grad = old
-        amp_state.stash = None
-
-
-def _update(scaler: GradScaler, found_inf: Tensor, optimizers: list[torch.optim.Optimizer],
-            loss_id: int, log_level: int) -> None:
+def _update(amp: _AmpState, scaler: GradScaler, found_inf: Tensor,
+            optimizers: list[torch.optim.Optimizer], loss_id: int) -> None:
     scaler._apply_update(found_inf)
+    names = ", ".join(type(opt).__name__ for opt in optimizers)
     if all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
-        # Fused optimizers skip on the device: no host sync unless the log wants the answer.
+        # Fused optimizers skip on the device: no host sync here, whatever the log level.
+        # A listening logger gets the overflow later, from a copy already on the host.
         for optimizer in optimizers:
-            _hold_found_inf(getattr(optimizer, _OPT_ATTR), found_inf)
-        if not (logger.isEnabledFor(log_level) and found_inf.item()):
-            return
-    else:
-        # The one host sync of scale_loss with plain optimizers (apex had it too): Python
-        # must know now whether the next optimizer.step() runs.
-        if not found_inf.item():
-            return
-        for optimizer in optimizers:
-            getattr(optimizer, _OPT_ATTR).skip_next = True
-    if logger.isEnabledFor(log_level):
-        names = ", ".join(type(opt).__name__ for opt in optimizers)
-        logger.log(log_level, "Gradient overflow: skipping the next step() of %s; loss scaler %d "
-                   "now at %g", names, loss_id, scaler.get_scale())
+            stash = _stash(optimizer)
+            stash.found_inf = _or_flag(stash.found_inf, found_inf)
+        if logger.isEnabledFor(amp.log_level):
+            amp.overflow_notes.append(_OverflowNote.start(found_inf, names, loss_id))
+        return
+    # The one host sync of scale_loss with plain optimizers (apex had it too): Python
+    # must know now whether the next optimizer.step() runs.
+    overflow = bool(found_inf.item())
+    check_floor(scaler, overflow)
+    if not overflow:
+        return
+    for optimizer in optimizers:
+        _stash(optimizer).skip_next = True
+    if logger.isEnabledFor(amp.log_level):
+        logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
+                   "scaler %d now at %g", names, loss_id, scaler.get_scale())
 
 
-def _hold_found_inf(amp_state: _OptimizerAmp, found_inf: Tensor) -> None:
-    """Keep the overflow flag for the next fused step (several losses: any overflow skips)."""
-    flag = found_inf.detach().reshape(())
-    held = amp_state.found_inf
-    amp_state.found_inf = flag.clone() if held is None else torch.maximum(held, flag.to(held.device))
+@dataclass(eq=False)
+class _OverflowNote:
+    """A fused step's overflow flag on its way to the host, logged once it has arrived."""
+
+    flag: Tensor
+    event: Any
+    names: str
+    loss_id: int
+
+    @classmethod
+    def start(cls, found_inf: Tensor, names: str, loss_id: int) -> "_OverflowNote":
+        flag = found_inf.detach().to("cpu", non_blocking=True)
+        event = None
+        if found_inf.device.type != "cpu":
+            event = torch.Event(device=found_inf.device)
+            event.record()
+        return cls(flag, event, names, loss_id)
+
+    def arrived(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _report_overflows(amp: _AmpState) -> None:
+    """Log the fused overflows whose flags have reached the host (no waiting on the device)."""
+    waiting = []
+    for note in amp.overflow_notes:
+        if not note.arrived():
+            waiting.append(note)
+        elif note.flag.item():  # a host tensor: no device sync
+            logger.log(amp.log_level, "Gradient overflow: the step of %s was skipped on the "
+                       "device; loss scaler %d backed off", note.names, note.loss_id)
+    amp.overflow_notes = waiting
 
 
 def _require_initialized() -> _AmpState:
@@ -562,7 +630,9 @@ def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any,
         raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__} {loss!r}")
     opts = _as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
     for i, opt in enumerate(opts):
-        if not hasattr(opt, _OPT_ATTR):
+        if is_orphan(opt):
+            raise RuntimeError(f"optimizers[{i}]: " + ORPHAN_MESSAGE.format(name=type(opt).__name__))
+        if stash_of(opt) is None:
             raise RuntimeError(f"optimizers[{i}] ({type(opt).__name__}) was not passed through "
                                "ampkit.initialize; valid: the optimizer(s) initialize returned")
     count = len(amp.scalers)
@@ -640,3 +710,63 @@ def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
             "growth_factor": scaler.get_growth_factor(),
             "backoff_factor": scaler.get_backoff_factor(),
             "growth_interval": scaler.get_growth_interval()}
+
+
+# --- apex's private attributes that public apex clients use -----------------------------
+class _LossScaler:
+    """apex's ``LossScaler`` as training scripts use it, over one of ampkit's loss scalers.
+
+    ``loss_scale()`` and ``_loss_scale`` read the current scale, ``_unskipped`` the clean
+    steps since it last changed; writing either sets the scaler (the next ``scale_loss``
+    uses the new scale). Each read or write syncs with the device.
+    """
+
+    def __init__(self, amp: _AmpState, scaler: GradScaler) -> None:
+        self._amp = amp
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.get_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.get_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        scale = _check_scale_bound("_loss_scale", value, allow_none=False)
+        self._set(scale=scale)
+        if scale != 1.0:
+            self._amp.scaling = True  # a fixed 1.0 becomes a real scale: scale_loss applies it
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self._scaler.state_dict()["_growth_tracker"])
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._set(_growth_tracker=_check_count("_unskipped", value, 0))
+
+    def _set(self, **entries: Any) -> None:
+        state = self._scaler.state_dict()
+        state.update(entries)
+        self._scaler.load_state_dict(state)
+
+
+class _AmpStateView:
+    """``ampkit._amp_state``: apex's process-wide state, the parts apex clients read.
+
+    ``loss_scalers[i]`` follows the active ``initialize`` (empty before it or when it was
+    disabled), so a script that writes ``_amp_state.loss_scalers[0]._loss_scale`` after
+    initialize sets the scale its next ``scale_loss`` uses.
+    """
+
+    @property
+    def loss_scalers(self) -> list[_LossScaler]:
+        amp = _amp
+        if amp is None or not amp.enabled:
+            return []
+        return [_LossScaler(amp, scaler) for scaler in amp.scalers]
+
+
+_amp_state = _AmpStateView()

@@ -37,15 +37,21 @@ from torch.amp.grad_scaler import OptState
 
 from ._dtypes import check_device_type
 from ._state import inferred_device_type
-from .master import master_weights_of
+from .optim import master_weights_of
 
-__all__ = ["GradScaler", "ScalerStats", "OptState", "unscale_grads_"]
+__all__ = ["GradScaler", "ScalerStats", "OptState", "unscale_grads_", "check_floor",
+           "FP16_GRAD_MIN_SCALE"]
 
 # Bounds of the scale when none are given. Below the smallest normal float32 the fp32
 # reciprocal 1/scale overflows to inf (1/2**-127 > float32 max), so unscaling would
 # turn every gradient into inf or NaN; above float32's max the scale itself is inf.
 _F32_TINY = torch.finfo(torch.float32).tiny
 _F32_MAX = torch.finfo(torch.float32).max
+# The floor when the gradients the scaler sees come from fp16 parameters (O2/O3 in fp16)
+# and no min_scale was given: below 1 the scaler can only flush more fp16 gradients to
+# zero (at float32's floor all of them), so steps would be taken with zero gradients
+# instead of skipped. DeepSpeed and Megatron-LM use the same floor.
+FP16_GRAD_MIN_SCALE = 1.0
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -123,6 +129,37 @@ def _bounds(min_scale: Any, max_scale: Any) -> tuple[Optional[float], Optional[f
         raise ValueError(f"min_scale={min_scale!r} is greater than max_scale={max_scale!r}; "
                          f"valid: min_scale <= max_scale")
     return low, high
+
+
+def _enabled(value: Any) -> bool:
+    """A bool (or the ints 0/1 that argparse flags give); never a string like "False"."""
+    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"enabled must be a bool, got {type(value).__name__} {value!r}; "
+                    "valid: True, False")
+
+
+# Overflowing steps in a row, as seen on the host, after which the scale is read to see
+# whether it sits at its floor: a real streak is caught (16 backoffs take the default
+# 2**16 to 1) while an isolated overflow never costs a read.
+_FLOOR_CHECK_STREAK = 16
+
+
+def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
+    """Note whether a step overflowed (None: not known on the host, e.g. a fused step)
+    and warn when a streak of overflows has the scale at its floor, where it cannot back
+    off further. Reads the scale only on every 16th overflow in a row.
+    """
+    scaler._host_overflow_streak = scaler._host_overflow_streak + 1 if overflow else 0
+    if scaler._host_overflow_streak % _FLOOR_CHECK_STREAK or not scaler._host_overflow_streak:
+        return
+    low = scaler._scale_bounds()[0]
+    if scaler.get_scale() <= low:
+        warnings.warn(
+            f"ampkit: {scaler._host_overflow_streak} steps in a row overflowed and the loss "
+            f"scale is at its floor ({low:g}), so every step is skipped: the gradients are not "
+            "finite whatever the scale (check the loss and the inputs, lower the learning "
+            "rate, or train in bf16)", RuntimeWarning, stacklevel=3)
 
 
 def _check_group(group: Any) -> Any:
@@ -290,21 +327,21 @@ class GradScaler:
                  growth_interval: int = 2000, enabled: bool = True, *,
                  min_scale: Optional[float] = None, max_scale: Optional[float] = None,
                  hysteresis: int = 1, process_group: Any = None) -> None:
-        device_type = _device_type(device)
-        init = _in_range("init_scale", init_scale, 0.0, _F32_MAX, low_open=True)
-        self._growth_factor = _growth_factor(growth_factor)
-        self._backoff_factor = _backoff_factor(backoff_factor)
-        self._growth_interval = _count("growth_interval", growth_interval, 1)
-        self._hysteresis = _count("hysteresis", hysteresis, 1)
-        self._min_scale, self._max_scale = _bounds(min_scale, max_scale)
-        self._device = device_type
-        self._enabled = bool(enabled)
-        if device_type == "cuda" and self._enabled and not torch.cuda.is_available():
+        self._enabled = _enabled(enabled)
+        try:
+            self._configure(device, init_scale, growth_factor, backoff_factor, growth_interval,
+                            min_scale, max_scale, hysteresis, process_group)
+        except (TypeError, ValueError):
+            if self._enabled:
+                raise
+            # torch checks nothing for a disabled scaler (one loop serves every precision
+            # with settings that only matter when enabled): accept what it accepts.
+            self._configure(device if isinstance(device, str) else None, 2.0**16, 2.0, 0.5,
+                            2000, None, None, 1, None, check_device=False)
+        if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
             warnings.warn("ampkit.GradScaler is enabled, but CUDA is not available.  Disabling.",
                           stacklevel=2)
             self._enabled = False
-        self._process_group = _check_group(process_group)
-        self._init_scale = self._clamp(init)
         self._init_growth_tracker = 0
         self._init_skipped_steps = 0
         self._init_consecutive_skips = 0
@@ -318,10 +355,30 @@ class GradScaler:
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
             _refresh_per_optimizer_state)
 
+    def _configure(self, device: Optional[str], init_scale: Any, growth_factor: Any,
+                   backoff_factor: Any, growth_interval: Any, min_scale: Any, max_scale: Any,
+                   hysteresis: Any, process_group: Any, check_device: bool = True) -> None:
+        """Validate the settings (everything, before any is kept) and keep them."""
+        device_type = _device_type(device) if check_device or device is None else device
+        init = _in_range("init_scale", init_scale, 0.0, _F32_MAX, low_open=True)
+        growth, backoff = _growth_factor(growth_factor), _backoff_factor(backoff_factor)
+        interval = _count("growth_interval", growth_interval, 1)
+        hyst = _count("hysteresis", hysteresis, 1)
+        bounds = _bounds(min_scale, max_scale)
+        group = _check_group(process_group)
+        self._device, self._growth_factor, self._backoff_factor = device_type, growth, backoff
+        self._growth_interval, self._hysteresis, self._process_group = interval, hyst, group
+        self._min_scale, self._max_scale = bounds
+        self._fp16_grads = False  # set when unscale_ first sees gradients of fp16 params
+        self._host_overflow_streak = 0  # overflowing steps in a row known on the host
+        self._init_scale = self._clamp(init)
+
     # --- scale tensors ----------------------------------------------------------------------
     def _scale_bounds(self) -> tuple[float, float]:
-        return (_F32_TINY if self._min_scale is None else self._min_scale,
-                _F32_MAX if self._max_scale is None else self._max_scale)
+        low = self._min_scale
+        if low is None:
+            low = FP16_GRAD_MIN_SCALE if self._fp16_grads else _F32_TINY
+        return low, _F32_MAX if self._max_scale is None else self._max_scale
 
     def _clamp(self, scale: float) -> float:
         low, high = self._scale_bounds()
@@ -412,24 +469,34 @@ class GradScaler:
                                "last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        masters = master_weights_of(optimizer)
-        if masters is not None:
-            masters.sync_grads()  # the param_groups hold the fp32 masters: unscale those
         inv_scale = self._inverse_scale()
         self._record_found_inf(optimizer, inv_scale)
-        if masters is not None:
-            masters.note_unscaled(inv_scale)
         state["stage"] = OptState.UNSCALED
 
     def _record_found_inf(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor) -> None:
         scale = self._scale
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        per_device = _unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
+        grads = self._grads_to_unscale(optimizer)
+        per_device = _unscale_per_device(grads, inv_scale, found_inf)
         _fold_into(found_inf, per_device)
         self._sync_found_inf(found_inf)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = per_device
         state["found_inf"] = found_inf
+
+    def _grads_to_unscale(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """The optimizer's gradients, the model's half ones moved into its masters first."""
+        masters = master_weights_of(optimizer)
+        if masters is not None:
+            fp16 = any(p.dtype == torch.float16 for p in masters.model_params)
+            masters.move_grads()  # the param_groups hold the fp32 masters: unscale those
+        grads = _optimizer_grads(optimizer)
+        if not self._fp16_grads and self._min_scale is None:
+            # Gradients computed in fp16 (a pure-fp16 model, or the masters' fp16 params)
+            # get the fp16 floor; torch's scaler never sees them (it refuses fp16 grads).
+            self._fp16_grads = (masters is not None and fp16) or any(
+                g.dtype == torch.float16 for g in grads)
+        return grads
 
     def _sync_found_inf(self, found_inf: Tensor) -> None:
         if self._process_group is None:
@@ -442,9 +509,6 @@ class GradScaler:
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
         """Record found-inf for ``optimizer`` without unscaling (fused optimizers unscale)."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        masters = master_weights_of(optimizer)
-        if masters is not None:
-            masters.sync_grads()
         self._record_found_inf(optimizer, torch.full((), 1.0, dtype=torch.float32, device=scale.device))
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
@@ -557,6 +621,7 @@ class GradScaler:
         hosts = [s.get("found_host") for s in self._per_optimizer_states.values() if "found_inf" in s]
         if hosts and None not in hosts:  # every optimizer was a plain one: known without a sync
             self._last_skipped_host = any(hosts)
+        check_floor(self, self._last_skipped_host if hosts and None not in hosts else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _combined_found_inf(self, required: bool) -> Optional[Tensor]:
@@ -809,4 +874,6 @@ class GradScaler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_fp16_grads", False)  # pickled before the fp16 floor existed
+        state.setdefault("_host_overflow_streak", 0)
         self.__dict__.update(state)

@@ -1,0 +1,200 @@
+"""What ampkit adds to an optimizer: ``optimizer._amp_stash`` and one wrapper of its methods.
+
+``initialize`` calls :func:`wrap` once per optimizer. Its ``step``, ``zero_grad`` and
+``add_param_group`` become module-level functions that read everything from
+``self._amp_stash`` (apex's attribute: clients such as mmengine test
+``hasattr(optimizer, "_amp_stash")`` to know that initialize ran):
+
+- ``step``: a no-op after an overflow that ``scale_loss`` found (params, masters and
+  optimizer state untouched; the grads are dropped). Otherwise the model's half
+  gradients move into the fp32 masters, the inner step runs (a fused optimizer gets
+  scale_loss's found-inf and skips on the device), and the masters are copied back into
+  the model.
+- ``zero_grad``: the optimizer's params (the masters) and the model's half params alike.
+- ``add_param_group``: the new group's half params get masters.
+
+torch's ``Optimizer.__getstate__`` keeps only defaults, state and param_groups, so
+``copy.deepcopy`` or pickling an initialized optimizer gives one without this wrapper,
+stepping copies of the masters that reach no model. A global step pre-hook refuses to
+step such a copy, rather than letting it train nothing.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch import Tensor
+
+from .master import MASTER_MARK, MasterWeights
+
+ATTR = "_amp_stash"
+
+
+@dataclass(eq=False)
+class AmpStash:
+    """ampkit's state of one initialized optimizer."""
+
+    inner_step: Callable[..., Any]
+    inner_zero_grad: Callable[..., Any]
+    inner_add_param_group: Callable[..., Any]
+    masters: Optional[MasterWeights] = None
+    skip_next: bool = False  # scale_loss found an overflow: the next step() is a no-op
+    # Fused optimizers: scale_loss's overflow flag stays on the device and the fused
+    # kernel skips the update itself (no host sync).
+    found_inf: Optional[Tensor] = None
+    grads_unscaled: bool = False  # the grads hold unscaled values (a scale_loss exit ran)
+    # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
+    pending_found_inf: Optional[Tensor] = None
+
+
+def stash_of(optimizer: Any) -> Optional[AmpStash]:
+    """The optimizer's ampkit state, or None when ``initialize`` did not prepare it."""
+    return getattr(optimizer, ATTR, None)
+
+
+def master_weights_of(optimizer: Any) -> Optional[MasterWeights]:
+    """The fp32 master weights ``initialize`` gave an optimizer, or None."""
+    stash = stash_of(optimizer)
+    return None if stash is None else stash.masters
+
+
+def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
+    """Attach ampkit's state (and fp32 masters when asked) and wrap the methods, once."""
+    if stash_of(optimizer) is not None:
+        raise RuntimeError(f"optimizer {type(optimizer).__name__} was already prepared by "
+                           "ampkit; an optimizer is prepared once")
+    stash = AmpStash(optimizer.step, optimizer.zero_grad, optimizer.add_param_group)
+    if master_weights:
+        stash.masters = MasterWeights()
+        stash.masters.adopt_param_groups(optimizer.param_groups)
+        _rebind_state(optimizer, stash.masters)
+        _refuse_orphans_once()
+    setattr(optimizer, ATTR, stash)
+    # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
+    optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
+    optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)  # type: ignore[method-assign]
+    optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
+        _add_param_group, optimizer)
+    return stash
+
+
+def attach_master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights:
+    """Give ``optimizer`` fp32 masters for its half parameters (and the wrapper)."""
+    masters = wrap(optimizer, master_weights=True).masters
+    assert masters is not None
+    return masters
+
+
+def _rebind_state(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> None:
+    """Move optimizer state that was keyed by a half param onto its master."""
+    for param, master in zip(masters.model_params, masters.master_params):
+        if param in optimizer.state:
+            state = optimizer.state.pop(param)
+            optimizer.state[master] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                           and v.dim() > 0 else v) for k, v in state.items()}
+
+
+# --- the wrapper --------------------------------------------------------------------------
+def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    stash: AmpStash = getattr(self, ATTR)
+    if stash.skip_next:
+        # The overflowing step: params, masters and optimizer state stay as they are;
+        # the inf/NaN grads are dropped so they do not leak into the next iteration.
+        stash.skip_next = False
+        self.zero_grad(set_to_none=True)
+        return None
+    masters = stash.masters
+    if masters is not None:
+        masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
+    if stash.found_inf is not None:
+        result = _fused_step(self, stash, args, kwargs)
+    else:
+        result = stash.inner_step(*args, **kwargs)
+    if masters is not None:
+        masters.copy_to_model()
+        # Consumed, as apex did: code that zeroes only the model's grads
+        # (model.zero_grad()) does not accumulate into the masters.
+        masters.clear_master_grads()
+    return result
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
+                kwargs: dict) -> Any:
+    """Step a fused optimizer that reads found_inf on the device (as torch's GradScaler does).
+
+    The grads are unscaled already (grad_scale None); a non-zero found_inf makes the fused
+    kernel leave params and state untouched, including the step count.
+    """
+    found_inf, stash.found_inf = stash.found_inf, None
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+    try:
+        return stash.inner_step(*args, **kwargs)
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    stash: AmpStash = getattr(self, ATTR)
+    stash.inner_zero_grad(set_to_none=set_to_none)
+    if stash.masters is not None:
+        stash.masters.zero_model_grads(set_to_none)
+    stash.grads_unscaled = False
+    stash.pending_found_inf = None
+
+
+def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
+    stash: AmpStash = getattr(self, ATTR)
+    masters = stash.masters
+    if masters is None:
+        stash.inner_add_param_group(group)
+        return
+    # torch validates the group (duplicates, non-leaf tensors, ...) and adds it first;
+    # only then are its half params swapped for masters, so a refused group changes nothing.
+    params = group["params"]
+    params = [params] if torch.is_tensor(params) else list(params)
+    if any(masters.owns(p) for p in params):
+        # torch sees only the masters in param_groups, so it cannot catch this one.
+        raise ValueError("some parameters appear in more than one parameter group: a half "
+                         "parameter given again is already stepped through its fp32 master; "
+                         "valid: parameters not yet in this optimizer")
+    stash.inner_add_param_group(dict(group, params=params))
+    masters.adopt_param_groups(self.param_groups[-1:])
+
+
+# --- copies that lost the wrapper -----------------------------------------------------------
+_ORPHAN_HOOK: list[Any] = []
+_IS_ORPHAN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+
+
+def is_orphan(optimizer: torch.optim.Optimizer) -> bool:
+    """True for an optimizer that steps ampkit masters without ampkit's wrapper (a copy)."""
+    if ATTR in optimizer.__dict__:
+        return False
+    orphan = _IS_ORPHAN.get(optimizer)
+    if orphan is None:
+        orphan = _IS_ORPHAN[optimizer] = any(
+            getattr(p, MASTER_MARK, False) for g in optimizer.param_groups for p in g["params"])
+    return orphan
+
+
+ORPHAN_MESSAGE = (
+    "{name} steps copies of ampkit fp32 master weights but is not linked to any model: "
+    "copy.deepcopy and pickle keep only an optimizer's defaults, state and param_groups, so "
+    "the copy would update masters that never reach the model. Valid: copy.deepcopy the "
+    "model and optimizer before ampkit.initialize, or build a new optimizer over the copied "
+    "model and pass both to ampkit.initialize")
+
+
+def _refuse_orphan(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if is_orphan(optimizer):
+        raise RuntimeError(ORPHAN_MESSAGE.format(name=type(optimizer).__name__))
+
+
+def _refuse_orphans_once() -> None:
+    if not _ORPHAN_HOOK:
+        _ORPHAN_HOOK.append(register_optimizer_step_pre_hook(_refuse_orphan))
