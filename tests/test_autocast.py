@@ -1,11 +1,13 @@
+import sys
 import threading
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ampkit
-from ampkit import _state
+from ampkit import _state, overrides
 from ampkit.autocast import autocast
 from conftest import DEVICES, HALF_DTYPES
 
@@ -94,7 +96,6 @@ def test_exception_inside_restores_state():
             raise KeyError("boom")
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") is torch.bfloat16
-    from ampkit import overrides
     assert overrides.active_frame() is None and overrides._open_regions == []
 
 
@@ -163,6 +164,9 @@ def test_exported():
     ({"enabled": 0}, TypeError, r"enabled must be a bool, got 0; valid: True, False"),
     ({"cache_enabled": "yes"}, TypeError,
      r"cache_enabled must be a bool or None, got 'yes'; valid: True, False, None"),
+    ({"device_type": torch.device("cpu")}, ValueError,
+     r"device_type must be a str such as 'cpu' or 'cuda', got device\(type='cpu'\).*device.type"),
+    ({"device_type": 0}, ValueError, r"device_type must be a str such as 'cpu' or 'cuda', got 0"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -170,8 +174,6 @@ def test_bad_arguments(kwargs, exc, match):
 
 
 def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatch):
-    import sys
-
     monkeypatch.setattr(sys.modules["ampkit.autocast"], "_RESOLVED", {})  # nothing resolved eagerly before
 
     def f(a, b):
@@ -186,3 +188,118 @@ def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatc
     assert got.dtype is torch.bfloat16 and torch.equal(got, expected)
     assert not torch.is_autocast_enabled("cpu")
 
+
+def _error_torch_raises(kwargs):
+    """The type of error torch.autocast raises for kwargs; torch's state is put back after."""
+    state = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+             torch.is_autocast_cache_enabled(), torch.autocast_increment_nesting() - 1)
+    try:
+        with torch.autocast(**kwargs):
+            pass
+    except Exception as err:  # noqa: BLE001 - the type is what is compared
+        return type(err)
+    finally:  # torch leaves autocast on, and nested, for some of these
+        torch.set_autocast_enabled("cpu", state[0])
+        torch.set_autocast_dtype("cpu", state[1])
+        torch.set_autocast_cache_enabled(state[2])
+        while torch.autocast_decrement_nesting() > state[3]:
+            pass
+    raise AssertionError(f"torch.autocast accepted {kwargs}")
+
+
+@pytest.mark.parametrize("kwargs", [{"device_type": torch.device("cpu")}, {"device_type": "gpu"},
+                                    {"device_type": "cpu", "enabled": "False"},
+                                    {"device_type": "cpu", "cache_enabled": "yes"}])
+def test_bad_arguments_raise_what_torch_raises_before_anything_changes(kwargs):
+    """Code written for torch.amp catches the same error types; autocast stays off."""
+    expected = _error_torch_raises(kwargs)
+    with pytest.raises(expected):
+        autocast(**kwargs)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_unknown_device_is_both_a_value_error_and_a_runtime_error():
+    for expected in (ValueError, RuntimeError):
+        with pytest.raises(expected, match=r"unknown device type 'gpu'; valid: 'cpu', 'cuda'"):
+            autocast("gpu")
+
+
+def test_calling_with_a_non_callable_raises_at_once_as_torch_does():
+    with pytest.raises(TypeError, match=r"requires a callable, but got Tensor"):
+        torch.autocast("cpu")(torch.ones(2))
+    with pytest.raises(TypeError, match=r"autocast\(\)\(func\) requires a callable, but got Tensor"):
+        autocast("cpu")(torch.ones(2))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dtype": torch.float16, "cache_enabled": False},
+                                    {"enabled": False}, {"dtype": torch.bfloat16}])
+def test_instance_attributes_are_torchs(kwargs):
+    reference = torch.autocast("cpu", **kwargs)
+    ours = autocast("cpu", **kwargs)
+    assert {k: getattr(ours, k) for k in vars(reference)} == vars(reference)
+    assert ours.device == "cpu"
+
+
+def _no_lookup(*args, **kwargs):
+    raise AssertionError("ampkit looked up torch.autocast at call time")
+
+
+@pytest.mark.parametrize("replacement", [autocast, _no_lookup])
+def test_ampkit_never_looks_up_torch_autocast(monkeypatch, replacement):
+    """`torch.autocast = ampkit.autocast` (a common monkeypatch) must not recurse."""
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = torch.mm(a, b)
+    ampkit.register_float_function(F, "softmax")
+    monkeypatch.setattr(sys.modules["ampkit.autocast"], "_RESOLVED", {})  # torch's class is asked again
+    monkeypatch.setattr(torch, "autocast", replacement)
+    region = torch.autocast if replacement is autocast else autocast
+
+    @region("cpu", dtype=torch.float16)
+    def f(x, y):
+        return torch.mm(x, y), F.softmax(x.half(), dim=-1), ampkit.float_function(torch.mm)(x, y)
+
+    with region("cpu", dtype=torch.float16):
+        got = torch.mm(a, b)
+        with ampkit.disable_casts():
+            assert torch.mm(a, b).dtype is torch.float32
+    mm, softmax, forced = f(a, b)
+    assert torch.equal(got, expected) and torch.equal(mm, expected)
+    assert softmax.dtype is torch.float32 and forced.dtype is torch.float32
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_dtype_the_device_lacks_warns_and_disables_as_torch_does(dtype):
+    with pytest.warns(UserWarning, match="Disabling autocast") as expected:
+        torch.autocast("cpu", dtype=dtype)
+    for _ in range(2):  # every construction warns, as torch's does
+        with pytest.warns(UserWarning, match="Disabling autocast") as got:
+            region = autocast("cpu", dtype=dtype)
+        assert [w.category for w in got] == [w.category for w in expected]
+    with region:
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float32
+    assert (region.fast_dtype, region._enabled) == (dtype, False)
+
+
+def test_a_decorated_function_warns_once_at_decoration_not_per_call():
+    with pytest.warns(UserWarning, match="Disabling autocast"):
+        f = autocast("cpu", dtype=torch.float64)(torch.mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float32
+
+
+def test_torch_export_records_the_region():
+    class M(torch.nn.Module):
+        def forward(self, a, b):
+            with autocast("cpu", dtype=torch.bfloat16):
+                return torch.mm(a, b)
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    exported = torch.export.export(M(), (a, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.mm(a, b)
+    assert torch.equal(exported.module()(a, b), expected)
+    assert not torch.is_autocast_enabled("cpu") and overrides._local.frames == []

@@ -98,6 +98,10 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class UnknownDeviceTypeError(ValueError, RuntimeError):
+    """An unknown device type: a ValueError, and the RuntimeError torch raises for one."""
+
+
 def check_device_type(device_type: str) -> str:
     """Validate a device type name (e.g. "cpu", "cuda") against what torch knows."""
     if not isinstance(device_type, str):
@@ -105,8 +109,8 @@ def check_device_type(device_type: str) -> str:
     try:
         return torch.device(device_type).type
     except RuntimeError as err:
-        raise ValueError(f"unknown device type {device_type!r}; valid: 'cpu', 'cuda', "
-                         f"'xpu', 'mps', ... (any torch device type)") from err
+        raise UnknownDeviceTypeError(f"unknown device type {device_type!r}; valid: 'cpu', 'cuda', "
+                                     f"'xpu', 'mps', ... (any torch device type)") from err
 
 
 def autocast_default_dtype(device_type: str) -> torch.dtype:

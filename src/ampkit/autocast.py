@@ -11,17 +11,22 @@ import functools
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
+# Bound at import: code that sets ``torch.autocast = ampkit.autocast`` must not send ampkit
+# back into itself.
+from torch.amp.autocast_mode import autocast as _TorchAutocast
 
 from . import _state, overrides
 from ._dtypes import HALF_DTYPES, autocast_default_dtype, check_device_type, resolve_dtype
 
 F = TypeVar("F", bound=Callable[..., Any])
-_AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32,)
+# fp32 and fp64 are accepted as torch accepts them: it warns and disables the region.
+_AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32, torch.float64)
 
 
-# (device_type, dtype, enabled) -> (enabled, dtype) as torch.autocast resolves them; torch
-# may disable itself (cuda without a GPU, a dtype the device lacks) and warns when it does.
-# Resolving once per key keeps torch's validation while entering stays cheap.
+# (device_type, dtype, enabled) -> (enabled, dtype) as torch.autocast resolves them.
+# Resolving once per key keeps torch's validation while construction stays cheap. Where
+# torch disables itself (cuda without a GPU, a dtype the device lacks) it is asked again at
+# every construction, so that it warns every time, as for its own.
 _RESOLVED: dict[tuple[str, torch.dtype, bool], tuple[bool, torch.dtype]] = {}
 _CHECKED_DEVICES: dict[str, str] = {}
 
@@ -29,20 +34,25 @@ _CHECKED_DEVICES: dict[str, str] = {}
 def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
     key = (device_type, dtype, enabled)
     resolved = _RESOLVED.get(key)
-    if resolved is None and torch.compiler.is_compiling():
+    if resolved is not None and resolved[0] == enabled:
+        return resolved
+    if torch.compiler.is_compiling():
         # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
         # region itself when it traces the switches set in __enter__.
-        return enabled, dtype
-    if resolved is None:
-        reference = torch.autocast(device_type, dtype=dtype, enabled=enabled)
-        resolved = _RESOLVED[key] = (reference._enabled, reference.fast_dtype)
+        return resolved or (enabled, dtype)
+    reference = _TorchAutocast(device_type, dtype=dtype, enabled=enabled)  # warns if it disables
+    resolved = _RESOLVED[key] = (reference._enabled, reference.fast_dtype)
     return resolved
 
 
 def _device_type(device_type: Optional[str]) -> str:
     if device_type is None:
         return _state.inferred_device_type()
-    checked = _CHECKED_DEVICES.get(device_type) if isinstance(device_type, str) else None
+    if not isinstance(device_type, str):  # ValueError, as torch.autocast raises
+        hint = "; pass device.type" if isinstance(device_type, torch.device) else ""
+        raise ValueError(f"device_type must be a str such as 'cpu' or 'cuda', got "
+                         f"{device_type!r}{hint}")
+    checked = _CHECKED_DEVICES.get(device_type)
     if checked is None:
         checked = _CHECKED_DEVICES[device_type] = check_device_type(device_type)
     return checked
@@ -76,7 +86,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
             self.device_type, self._resolve_dtype(dtype), enabled)
         self._cache_enabled = (torch.is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
-        self._delegate: Optional[torch.autocast] = None
+        self._delegate: Optional[_TorchAutocast] = None
 
     def _resolve_dtype(self, dtype: Optional[Union[torch.dtype, str]]) -> torch.dtype:
         if dtype is not None:
@@ -87,23 +97,24 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         return autocast_default_dtype(self.device_type)
 
     def __enter__(self) -> "autocast":
+        device = self.device_type
         if torch._C._is_torch_function_mode_enabled():
             # Tracing (torch.export, make_fx): let torch.autocast record the region.
-            self._delegate = torch.autocast(self.device_type, self.fast_dtype, self._enabled,
+            self._delegate = _TorchAutocast(device, self.fast_dtype, self._enabled,
                                             self._cache_enabled)
-            self._delegate.__enter__()
         else:
-            # The same switches torch.autocast.__enter__ sets, without its per-call setup.
-            device = self.device_type
             self._prev = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
                           torch.get_autocast_dtype(device))
             torch.autocast_increment_nesting()
         try:  # free unless it raises: entering costs what it did
             if self._delegate is None:
+                # The same switches torch.autocast.__enter__ sets, without its per-call setup.
                 torch.set_autocast_enabled(device, self._enabled)
                 torch.set_autocast_dtype(device, self.fast_dtype)
                 torch.set_autocast_cache_enabled(self._cache_enabled)
-            overrides.push_frame(self.device_type, self.fast_dtype, self._enabled)
+            else:
+                self._delegate.__enter__()
+            overrides.push_frame(device, self.fast_dtype, self._enabled)
         except BaseException:
             self._restore_torch(None, None, None)  # as before the failed entry, nesting too
             raise
@@ -126,8 +137,24 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         torch.set_autocast_cache_enabled(cache)
         return False
 
+    @property
+    def device(self) -> str:
+        """The device type, under torch.autocast's name for it."""
+        return self.device_type
+
+    @property
+    def custom_backend_name(self) -> str:
+        """torch's name of the privateuse1 backend (torch.autocast instances carry it)."""
+        return torch._C._get_privateuse1_backend_name()
+
     def __call__(self, func: F) -> F:
-        args = (self.device_type, self.fast_dtype, self.enabled, self.cache_enabled)
+        if not callable(func):
+            raise TypeError(f"autocast()(func) requires a callable, but got {type(func).__name__}; "
+                            "valid: a function or other callable. As a context manager: "
+                            "`with ampkit.autocast(...):`")
+        # Resolved now, as torch's decorator does: a call neither re-warns nor re-reads the
+        # global cache flag.
+        args = (self.device_type, self.fast_dtype, self._enabled, self._cache_enabled)
 
         @functools.wraps(func)
         def decorated(*a: Any, **kw: Any) -> Any:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
+from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
 from ._dtypes import cast_tree
 
@@ -129,7 +130,7 @@ def disable_casts() -> Iterator[None]:
         for device_type in devices:
             push_frame(device_type, _local.frames[-1][1], enabled=False)
             stack.callback(pop_frame)
-            stack.enter_context(torch.autocast(device_type, enabled=False))
+            stack.enter_context(_TorchAutocast(device_type, enabled=False))
         yield
 
 
@@ -181,7 +182,7 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
         if dtype is not None:
             args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         # Autocast off inside, so torch's own per-op cast cannot undo the override.
-        with torch.autocast(frame.device_type, enabled=False):
+        with _TorchAutocast(frame.device_type, enabled=False):
             return fn(*args, **kwargs)
 
     wrapper.__ampkit_original__ = fn  # type: ignore[attr-defined]
