@@ -590,3 +590,67 @@ def test_process_group_must_be_a_process_group():
     with pytest.raises(TypeError, match="process_group=3 is not"):
         scaler.process_group = 3
     assert scaler.process_group is None
+
+
+# --- enabled, disabled, and the fp16 floor ---------------------------------------------------
+@pytest.mark.parametrize("bad", ["False", "no", None, 2, 0.0])
+def test_enabled_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=f"enabled must be a bool, got {type(bad).__name__} "
+                                        f"{bad!r}; valid: True, False"):
+        GradScaler("cpu", enabled=bad)
+
+
+def test_enabled_takes_the_ints_argparse_gives():
+    assert GradScaler("cpu", enabled=1).is_enabled() and not GradScaler("cpu", enabled=0).is_enabled()
+
+
+def test_a_disabled_scaler_accepts_what_torch_accepts():
+    settings = dict(init_scale=-1.0, growth_factor=0.5, backoff_factor=2.0, growth_interval=0)
+    torch.amp.GradScaler("cpu", enabled=False, **settings)  # torch checks nothing here
+    scaler = GradScaler("cpu", enabled=False, **settings)
+    assert not scaler.is_enabled() and scaler.get_scale() == 1.0
+    with pytest.raises(ValueError, match=r"init_scale=-1.0 is out of range"):
+        GradScaler("cpu", enabled=True, **settings)
+
+
+@pytest.mark.parametrize("masters", [False, True])
+def test_fp16_gradients_floor_the_scale_at_one(masters):
+    model = nn.Linear(4, 2).to(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if masters:
+        attach_master_weights(opt)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    for _ in range(5):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(2, 4, dtype=torch.float16)).float().sum() * INF).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 1.0 and scaler.stats().skipped_steps == 5
+
+
+def test_fp32_gradients_keep_torchs_floorless_backoff():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    for _ in range(5):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(2, 4)).sum() * INF).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 4.0 * 0.5**5
+
+
+def test_a_floored_overflow_streak_warns_once_per_sixteen_steps():
+    model = nn.Linear(4, 2).to(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0)
+    with pytest.warns(RuntimeWarning) as record:
+        for _ in range(32):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(2, 4, dtype=torch.float16)).float().sum() * INF).backward()
+            scaler.step(opt)
+            scaler.update()
+    messages = [str(w.message) for w in record if "floor" in str(w.message)]
+    assert messages[0].startswith("ampkit: 16 steps in a row overflowed and the loss scale is "
+                                  "at its floor (1)")
+    assert len(messages) == 2

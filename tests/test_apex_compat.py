@@ -1,0 +1,198 @@
+"""frontend.py against what real apex programs and a hostile probe did: apex's private
+attributes, exceptions inside scale_loss, leaks, and arguments initialize must refuse."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit as amp
+from ampkit import frontend
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+@pytest.fixture(autouse=True)
+def _reset_amp():
+    yield
+    frontend._amp = None
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _init(level="O2", half=BF16, **kw):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0, **kw)
+
+
+def _loss(model, scale: float = 1.0):
+    return model(torch.randn(4, 4, generator=torch.Generator().manual_seed(1))).float().pow(2).mean() * scale
+
+
+# --- apex's _amp_state ---------------------------------------------------------------------
+def test_amp_state_loss_scalers_read_and_write_the_scale_scale_loss_uses():
+    model, opt = _init(num_losses=2)
+    scalers = amp._amp_state.loss_scalers
+    assert len(scalers) == 2 and scalers[0].loss_scale() == 2.0**16
+    assert scalers[0]._loss_scale == 2.0**16 and scalers[0]._unskipped == 0
+    amp._amp_state.loss_scalers[0]._loss_scale = 2.0**20  # as public training scripts do
+    loss = _loss(model)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == loss.item() * 2.0**20
+        scaled.backward()
+    assert amp._amp_state.loss_scalers[0]._unskipped == 1  # a clean step, counted
+    amp._amp_state.loss_scalers[0]._unskipped = 5
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**20, "unskipped": 5}
+    assert amp._amp_state.loss_scalers[1]._loss_scale == 2.0**16  # the other loss's own
+    with pytest.raises(ValueError, match=r"_loss_scale must be a positive finite number, got -1"):
+        amp._amp_state.loss_scalers[0]._loss_scale = -1
+
+
+def test_amp_state_can_turn_a_fixed_unit_scale_into_a_real_one():
+    model, opt = _init("O3", F16)  # loss scale 1.0: scale_loss had nothing to do
+    amp._amp_state.loss_scalers[0]._loss_scale = 128.0
+    loss = _loss(model)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == loss.item() * 128.0
+
+
+def test_amp_state_is_empty_before_initialize():
+    assert amp._amp_state.loss_scalers == []
+
+
+# --- an exception inside scale_loss ---------------------------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_exception_after_backward_drops_the_scaled_gradients(level):
+    model, opt = _init(level)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(KeyError):
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+            raise KeyError("the body failed after backward")
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in amp.master_params(opt))
+    opt.step()  # what the probe did after catching it: nothing may move
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_an_exception_keeps_the_gradients_accumulated_before_it():
+    model, opt = _init("O1")
+    with amp.scale_loss(_loss(model), opt) as scaled:
+        scaled.backward()
+    kept = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(KeyError):
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+            raise KeyError("second micro-batch failed")
+    assert all(torch.equal(a, p.grad) for a, p in zip(kept, model.parameters()))
+
+
+# --- leaks -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_models_and_optimizers_are_freed_after_del(level):
+    refs = []
+    for seed in range(3):
+        model = _model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=BF16, verbosity=0)
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        refs += [weakref.ref(model), weakref.ref(opt), weakref.ref(next(model.parameters())),
+                 weakref.ref(next(amp.master_params(opt)))]
+        del model, opt, scaled
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+# --- initialize refuses ----------------------------------------------------------------------
+def test_one_parameter_in_two_o2_optimizers_is_refused_before_any_change():
+    model = _model()
+    opt1 = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(8, 4\) is in optimizers\[0\] "
+                                         r"and optimizers\[1\]"):
+        amp.initialize(model, [opt1, opt2], opt_level="O2", half_dtype=BF16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not hasattr(opt1, "_amp_stash") and not hasattr(opt2, "_amp_stash")
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model, other = _model(), _model(1)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) steps none of the parameters "
+                                         "of the models given to initialize"):
+        amp.initialize(model, opt, opt_level="O2", half_dtype=BF16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_an_extra_fp32_parameter_beside_the_models_is_accepted():
+    """Multi-task loss weights and the like live outside the model: they step in fp32."""
+    model = _model()
+    log_vars = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([*model.parameters(), log_vars], lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    assert any(p is log_vars for p in amp.master_params(opt))
+
+
+def test_an_empty_param_group_is_refused():
+    model = _model()
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": []}], lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers\[0\].param_groups\[1\] has no parameters"):
+        amp.initialize(model, opt, opt_level="O1")
+
+
+def test_a_meta_device_model_is_refused_and_changes_no_default():
+    with torch.device("meta"):
+        model = _model()
+    with pytest.raises(ValueError, match="parameter '0.weight' on the meta device"):
+        amp.initialize(model, opt_level="O1")
+    assert frontend._amp is None
+    assert amp.autocast().device == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("name", ["delay_unscale", "delay_overflow_check"])
+def test_scale_loss_flags_must_be_bools(name):
+    model, opt = _init("O1")
+    with pytest.raises(TypeError, match=f"{name} must be a bool, got str 'no'; valid: True, False"):
+        with amp.scale_loss(_loss(model), opt, **{name: "no"}):
+            pass
+
+
+# --- bf16 O3 ---------------------------------------------------------------------------------
+def test_bf16_o3_warns_and_names_the_fp16_choice():
+    with pytest.warns(UserWarning, match=r"half_dtype=torch.float16"):
+        _init("O3", BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _init("O3", F16)
+        _init("O2", BF16)
+
+
+# --- the fp16 floor --------------------------------------------------------------------------
+def test_fp16_o2_scale_floors_at_one_and_warns_on_a_floored_streak():
+    model, opt = _init("O2", F16)
+    with pytest.warns(RuntimeWarning, match=r"steps in a row overflowed and the loss scale is at "
+                                            r"its floor \(1\)"):
+        for _ in range(20):
+            opt.zero_grad()
+            with amp.scale_loss(_loss(model, float("inf")), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    assert amp._amp_state.loss_scalers[0]._loss_scale == 1.0
+
+
+def test_bf16_o2_and_an_explicit_min_loss_scale_keep_their_floor():
+    model, opt = _init("O2", BF16)
+    assert frontend._amp.scalers[0].min_scale is None
+    model, opt = _init("O2", F16, min_loss_scale=2.0**-4)
+    assert frontend._amp.scalers[0].min_scale == 2.0**-4
