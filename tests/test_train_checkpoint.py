@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit.bench.train import TrainSettings, load_checkpoint, train
+from ampkit.bench.train import TrainSettings, load_checkpoint, save_checkpoint, train
 from ampkit.cli import main
 
 SETTINGS = TrainSettings(data="synthetic", policy="32-true", epochs=1, batch_size=256)
@@ -91,3 +91,40 @@ def test_a_foreign_file_is_refused(capsys, tmp_path, content, words):
     path = tmp_path / "other.pt"
     torch.save(content, path)
     assert words in resume_error(capsys, path)
+
+
+def _set(section: str, key: object, value: object):
+    return lambda state: state[section].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("damage, words", [
+    pytest.param(lambda state: state.pop("scaler"),
+                 ["its 'scaler' entry is missing; valid: dict"], id="no scaler"),
+    pytest.param(lambda state: state.__setitem__("history", 3),
+                 ["its 'history' entry has type int; valid: list"], id="history not a list"),
+    pytest.param(lambda state: state["model"].pop("3.weight"),
+                 ["its model state lacks ['3.weight']", "valid: the state of this --model"],
+                 id="model key missing"),
+    pytest.param(_set("model", "7.weight", torch.zeros(2)),
+                 ["its model state has unexpected keys ['7.weight']"], id="another model"),
+    pytest.param(_set("model", "1.weight", torch.zeros(128, 32)),
+                 ["its model state '1.weight' has shape (128, 32); valid: shape (128, 64)"],
+                 id="wrong shape"),
+    pytest.param(_set("fp8", "1", {}),
+                 ["its 'fp8' entry does not fit this run", "fp8 state has modules ['1']"],
+                 id="another policy's fp8 state"),
+    pytest.param(lambda state: state["optimizer"].pop("state"),
+                 ["its 'optimizer' entry does not fit this run (KeyError: 'state')"],
+                 id="optimizer key missing"),
+    pytest.param(lambda state: state["optimizer"]["param_groups"][0].__setitem__("params", [0]),
+                 ["its 'optimizer' entry does not fit this run (ValueError:"],
+                 id="another model's optimizer"),
+])
+def test_an_inconsistent_checkpoint_is_refused_with_one_line(capsys, ckpt, damage, words):
+    state = load_checkpoint(str(ckpt))
+    damage(state)
+    save_checkpoint(state, str(ckpt))
+    line = resume_error(capsys, ckpt)
+    assert line.startswith(f"ampkit train: error: --resume: checkpoint {str(ckpt)!r}: ")
+    for word in words:
+        assert word in line, (word, line)

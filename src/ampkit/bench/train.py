@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -36,6 +36,10 @@ TRAIN_MODELS = "mlp, cnn, resnet18, or package.module:function"
 # Format 2: the file holds {"format", "sha256", "payload"}, the payload being the
 # torch.save bytes of the state; format 1 (no digest) is refused.
 _FORMAT, _UNSEALED_FORMAT = "ampkit-train-2", "ampkit-train-1"
+# The entries of a checkpoint's state and the types they have.
+_ENTRIES: dict[str, tuple[type, ...]] = {
+    "settings": (dict,), "model": (dict,), "optimizer": (dict,), "scaler": (dict,),
+    "amp": (dict, type(None)), "fp8": (dict,), "history": (list,)}
 # Settings a resumed run must share with the checkpoint (epochs may grow).
 _RESUME_KEYS = ("model", "data", "policy", "batch_size", "lr", "seed")
 OnEpoch = Callable[[dict[str, Any]], None]
@@ -181,24 +185,41 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint written by a run with the same settings (epochs may differ)."""
+        """Restore a checkpoint written by a run with the same settings (epochs may differ).
+
+        A checkpoint that does not fit raises TrainError. Its format, entries, settings,
+        model keys and shapes and fp8 state are checked before anything loads; the
+        optimizer's, scaler's and amp's own loaders check theirs as they load, so after an
+        error the trainer is to be discarded (``train`` does).
+        """
         _check_checkpoint(state, self.settings)
-        self.model.load_state_dict(state["model"])  # fp32 values; under O2 into the masters too
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.scaler.load_state_dict(state["scaler"])
+        _check_model_state(state["model"], self.model.state_dict())
+        with _loading("fp8"):  # delayed-recipe amax histories, all checked before any loads
+            load_fp8_state_dict(self.model, state["fp8"])
+        with _loading("model"):  # fp32 values; under O2 into the masters too
+            self.model.load_state_dict(state["model"])
+        with _loading("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        with _loading("scaler"):
+            self.precision.scaler.load_state_dict(state["scaler"])
         if state["amp"] is not None and self.precision.uses_initialize:
-            amp_load_state_dict(state["amp"])
-        load_fp8_state_dict(self.model, state.get("fp8", {}))  # delayed-recipe amax histories
+            with _loading("amp"):
+                amp_load_state_dict(state["amp"])
         self.history = list(state["history"])
 
     def save(self, path: str) -> None:
-        """Write the checkpoint atomically (a crash mid-write leaves the previous one)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        _remove_stale_temp_files(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(_seal(self.state_dict()), tmp)
-        os.replace(tmp, path)
+        """Write the checkpoint (see :func:`save_checkpoint`)."""
+        save_checkpoint(self.state_dict(), path)
+
+
+def save_checkpoint(state: dict[str, Any], path: str) -> None:
+    """Write ``state`` atomically (a crash mid-write leaves the previous file), sealed
+    with its digest; :func:`load_checkpoint` reads it back."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _remove_stale_temp_files(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(_seal(state), tmp)
+    os.replace(tmp, path)
 
 
 def _seal(state: dict[str, Any]) -> dict[str, Any]:
@@ -260,15 +281,50 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _loading(entry: str) -> Iterator[None]:
+    """Turn a loader's complaint about a checkpoint entry into a TrainError naming it."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        raise TrainError(f"its {entry!r} entry does not fit this run ({type(err).__name__}: "
+                         f"{err}); valid: a checkpoint of this --model and --policy") from None
+
+
 def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise TrainError(f"not an ampkit train checkpoint (format {_FORMAT!r} expected)")
+    for entry, types in _ENTRIES.items():
+        if not isinstance(state.get(entry), types):
+            found = ("is missing" if entry not in state
+                     else f"has type {type(state[entry]).__name__}")
+            valid = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise TrainError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
+                             "--checkpoint writes it")
     saved = state["settings"]
     for key in _RESUME_KEYS:
         if saved.get(key) != getattr(settings, key):
             raise TrainError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
                              f"has {key}={getattr(settings, key)!r}; valid: the checkpoint's "
                              "settings, or leave out --resume")
+
+
+def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Same keys, and tensors of the same shapes, as this run's model state."""
+    missing = [key for key in expected if key not in saved]
+    unexpected = [key for key in saved if key not in expected]
+    if missing or unexpected:
+        found = " and ".join(([f"lacks {missing[:3]}"] if missing else []) +
+                             ([f"has unexpected keys {unexpected[:3]}"] if unexpected else []))
+        raise TrainError(f"its model state {found}; valid: the state of this --model "
+                         f"({len(expected)} keys: {', '.join(list(expected)[:3])}, ...)")
+    for key, tensor in expected.items():
+        value = saved[key]
+        if torch.is_tensor(tensor) and not (torch.is_tensor(value) and value.shape == tensor.shape):
+            found = (f"shape {tuple(value.shape)}" if torch.is_tensor(value)
+                     else type(value).__name__)
+            raise TrainError(f"its model state {key!r} has {found}; valid: shape "
+                             f"{tuple(tensor.shape)} (this --model)")
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -307,7 +363,7 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
     data = load_data(settings.data, settings.data_dir)
     trainer = Trainer(settings, data)
     if state is not None:
-        trainer.load_state_dict(state)
+        _resume(trainer, state, str(checkpoint))
     start = len(trainer.history)
     for epoch in range(start + 1, settings.epochs + 1):
         record = _run_epoch(trainer, epoch, on_batch)
@@ -321,6 +377,13 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
             "loss_scaling": str(scaler_mode(trainer.spec.policy) or "off"),
             "data": data.describe(), "resumed_from_epoch": start if state is not None else None,
             "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None}
+
+
+def _resume(trainer: Trainer, state: dict[str, Any], path: str) -> None:
+    try:
+        trainer.load_state_dict(state)
+    except TrainError as err:
+        raise TrainError(f"--resume: checkpoint {path!r}: {err}") from None
 
 
 def _run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory]) -> dict[str, Any]:
