@@ -124,6 +124,15 @@ def test_emulate_false_without_fp8_hardware_raises_before_any_swap(bare):
     assert len(after) == len(before) and all(a is b for a, b in zip(after, before))
 
 
+def test_emulate_false_on_a_meta_model_waits_for_its_real_device():
+    with torch.device("meta"):
+        model = make_model()
+    convert_to_fp8(model, recipe=Float8Config(emulate=False))  # deferred init: not refused yet
+    assert isinstance(model[0], Float8Linear)
+    with pytest.raises(RuntimeError, match=r"needs fp8 tensor cores, but cpu"):
+        model.to_empty(device="cpu")[0](torch.randn(2, 32))
+
+
 def test_convert_rejects_non_module():
     with pytest.raises(TypeError, match=r"convert_to_fp8 needs an nn.Module, got list"):
         convert_to_fp8([nn.Linear(16, 16)])

@@ -398,7 +398,7 @@ class Float8Linear(nn.Linear):
         self.check_fp8_state_dict(state)
         if self.config.recipe is not Recipe.DELAYED:
             return
-        self._delayed_started = bool(state["started"])
+        self._delayed_started = state["started"]
         for name in _ROLE_NAMES:
             getattr(self, f"amax_history_{name}").copy_(state[f"amax_history_{name}"])
 
