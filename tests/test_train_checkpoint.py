@@ -49,6 +49,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.skipif(os.name != "posix", reason="stale means its writer is gone: a POSIX check")
 @pytest.mark.parametrize("resume", [False, True])
 def test_save_and_resume_remove_stale_temp_files_of_that_checkpoint_only(tmp_path, ckpt, resume):
     dead = _dead_pid()
