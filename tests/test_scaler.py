@@ -654,3 +654,49 @@ def test_a_floored_overflow_streak_warns_once_per_sixteen_steps():
     assert messages[0].startswith("ampkit: 16 steps in a row overflowed and the loss scale is "
                                   "at its floor (1)")
     assert len(messages) == 2
+
+
+@pytest.mark.parametrize("reads", [(), (1, 63, 64, 65, 130)])
+def test_lazily_folded_skip_counters_match_a_step_by_step_count(reads):
+    """The counters fold the kept overflow flags every 64 updates or when read."""
+    pattern = [i % 7 == 3 or 40 <= i < 70 or i >= 140 for i in range(150)]
+    scaler = GradScaler("cpu", min_scale=1.0)
+    scaler.scale(torch.ones(()))
+    skipped = run = 0
+    for i, overflow in enumerate(pattern):
+        scaler._apply_update(torch.tensor(1.0 if overflow else 0.0))
+        skipped += overflow
+        run = run + 1 if overflow else 0
+        if i in reads:
+            stats = scaler.stats()
+            assert (stats.skipped_steps, stats.consecutive_skips) == (skipped, run)
+    stats = scaler.stats()
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (150, skipped, run)
+    assert scaler.last_step_skipped
+
+
+def test_update_dispatches_no_more_device_ops_than_torchs():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for make in (lambda: torch.amp.GradScaler("cpu"), lambda: GradScaler("cpu")):
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make()
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+            scaler.step(opt)
+            Count.n = 0
+            with Count():
+                scaler.update()
+        counts.append(Count.n)
+    assert counts[1] <= counts[0] + 1  # torch: 1 (the update kernel); ampkit adds the clamp

@@ -30,7 +30,7 @@ from ._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, default_
 from .autocast import autocast
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, master_of, release_masters
-from .optim import ORPHAN_MESSAGE, AmpStash, is_orphan, master_weights_of, stash_of, wrap
+from .optim import ORPHAN_MESSAGE, AmpStash, is_orphan, master_weights_of, own_params, stash_of, wrap
 from .policy import OPT_LEVELS, Policy, get_policy
 from .scaler import FP16_GRAD_MIN_SCALE, GradScaler, check_floor, unscale_grads_
 
@@ -462,42 +462,46 @@ class _Held:
     Backward then writes only the body's own gradients, so they can be unscaled apart
     from grads an earlier scale_loss already unscaled, or dropped if the body raises.
     ``own``: the params the optimizer steps itself (their ``.grad``); ``half``: the half
-    model params behind its fp32 masters (their grads are always still scaled).
+    model params behind its fp32 masters (their grads are always still scaled). Only the
+    (param, grad) pairs whose grad was set are kept: after a zero_grad there are none.
     """
 
     own: list[Tensor]
-    own_grads: list[Optional[Tensor]]
-    own_unscaled: bool
     half: list[Tensor]
-    half_grads: list[Optional[Tensor]]
+    own_grads: list[tuple[Tensor, Tensor]]
+    half_grads: list[tuple[Tensor, Tensor]]
+    own_unscaled: bool
 
     def restore(self) -> None:
-        for params, grads in ((self.own, self.own_grads), (self.half, self.half_grads)):
-            for param, grad in zip(params, grads):
-                param.grad = grad
+        for param in self.own + self.half:
+            param.grad = None
+        for param, grad in self.own_grads + self.half_grads:
+            param.grad = grad
 
     @torch.no_grad()
     def add_back(self, *, own: bool, half: bool) -> None:
-        pairs = ([*zip(self.own, self.own_grads)] if own else []) + (
-            [*zip(self.half, self.half_grads)] if half else [])
-        summed = [(p.grad, old) for p, old in pairs if old is not None and p.grad is not None]
+        pairs = (self.own_grads if own else []) + (self.half_grads if half else [])
+        if not pairs:
+            return
+        summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
         if summed:
             torch._foreach_add_([g for g, _ in summed], [old for _, old in summed])
         for param, old in pairs:
             if param.grad is None:
                 param.grad = old
         if own:
-            self.own_grads = [None] * len(self.own)
+            self.own_grads = []
         if half:
-            self.half_grads = [None] * len(self.half)
+            self.half_grads = []
 
 
 def _set_aside(optimizer: torch.optim.Optimizer) -> _Held:
     stash = _stash(optimizer)
-    own = _own_params(optimizer)
-    half = [] if stash.masters is None else list(stash.masters.model_params)
-    held = _Held(own, [p.grad for p in own], stash.grads_unscaled, half, [p.grad for p in half])
-    for param in own + half:
+    own = own_params(optimizer)
+    half = [] if stash.masters is None else stash.masters.model_params
+    held = _Held(own, half, [(p, p.grad) for p in own if p.grad is not None],
+                 [(p, p.grad) for p in half if p.grad is not None], stash.grads_unscaled)
+    for param, _ in held.own_grads + held.half_grads:
         param.grad = None
     return held
 
@@ -533,22 +537,12 @@ def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Option
 def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
     """Several overflow flags as one (any overflow counts)."""
     flag = flag.detach().reshape(())
-    return flag.clone() if held is None else torch.maximum(held, flag.to(held.device))
+    return flag if held is None else torch.maximum(held, flag.to(held.device))
 
 
 def _unscale_grads(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
     if grads:
         unscale_grads_(grads, inv_scale, found_inf)
-
-
-def _own_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """The parameters an optimizer steps that are not fp32 masters (their grads live in .grad)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    masters = master_weights_of(optimizer)
-    if masters is None:
-        return params
-    master_ids = {id(m) for m in masters.master_params}
-    return [p for p in params if id(p) not in master_ids]
 
 
 def _stash(optimizer: torch.optim.Optimizer) -> AmpStash:
@@ -571,16 +565,21 @@ def _update(amp: _AmpState, scaler: GradScaler, found_inf: Tensor,
             amp.overflow_notes.append(_OverflowNote.start(found_inf, names, loss_id))
         return
     # The one host sync of scale_loss with plain optimizers (apex had it too): Python
-    # must know now whether the next optimizer.step() runs.
+    # must know now whether the next optimizer.step() runs. A listening logger's copy of
+    # the new scale is queued before it, so that sync brings it to the host as well.
+    listening = logger.isEnabledFor(amp.log_level)
+    scale = scaler._get_scale_async()
+    new_scale = scale.to("cpu", non_blocking=True, copy=True) if listening and scale is not None else None
     overflow = bool(found_inf.item())
     check_floor(scaler, overflow)
     if not overflow:
         return
     for optimizer in optimizers:
         _stash(optimizer).skip_next = True
-    if logger.isEnabledFor(amp.log_level):
+    if new_scale is not None:
+        new_scale._ampkit_host_copy = True  # type: ignore[attr-defined]
         logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
-                   "scaler %d now at %g", names, loss_id, scaler.get_scale())
+                   "scaler %d now at %g", names, loss_id, new_scale.item())
 
 
 @dataclass(eq=False)
@@ -594,7 +593,8 @@ class _OverflowNote:
 
     @classmethod
     def start(cls, found_inf: Tensor, names: str, loss_id: int) -> "_OverflowNote":
-        flag = found_inf.detach().to("cpu", non_blocking=True)
+        flag = found_inf.detach().to("cpu", non_blocking=True, copy=True)
+        flag._ampkit_host_copy = True  # type: ignore[attr-defined]  # read without a sync
         event = None
         if found_inf.device.type != "cpu":
             event = torch.Event(device=found_inf.device)

@@ -116,12 +116,14 @@ class MasterWeights:
 
         ``unscale`` receives the new fp32 gradients (still scaled) before they join the
         masters' own, which are unscaled already; without it they join as they are.
-        A no-op once released.
+        Once released, the model's gradients are not its to take (``unscale`` still runs,
+        on none).
         """
-        if self.released:
-            return
-        pending = [(param, master) for param, master in zip(self.model_params, self.master_params)
-                   if param.grad is not None]
+        pending = [] if self.released else [
+            (param, master) for param, master in zip(self.model_params, self.master_params)
+            if param.grad is not None]
+        if not pending and unscale is None:
+            return  # e.g. the step after scale_loss moved them
         new = _to_fp32([param.grad for param, _ in pending])
         for param, _ in pending:
             param.grad = None  # the half gradient is freed as soon as its copy exists
@@ -196,7 +198,7 @@ def _to_fp32(grads: list[Tensor]) -> list[Tensor]:
         sizes = [grads[i].numel() for i in indices]
         flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
         views = [chunk.view(grads[i].shape) for i, chunk in zip(indices, flat.split(sizes))]
-        torch._foreach_copy_(views, [grads[i].detach() for i in indices])
+        torch._foreach_copy_(views, [grads[i] for i in indices])
         for i, view in zip(indices, views):
             out[i] = view
     return out  # type: ignore[return-value]

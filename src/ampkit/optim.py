@@ -50,6 +50,8 @@ class AmpStash:
     grads_unscaled: bool = False  # the grads hold unscaled values (a scale_loss exit ran)
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
+    # own_params' answer, with the param_groups layout it was computed for.
+    own_cache: Optional[tuple[tuple, list[Tensor]]] = None
 
 
 def stash_of(optimizer: Any) -> Optional[AmpStash]:
@@ -61,6 +63,19 @@ def master_weights_of(optimizer: Any) -> Optional[MasterWeights]:
     """The fp32 master weights ``initialize`` gave an optimizer, or None."""
     stash = stash_of(optimizer)
     return None if stash is None else stash.masters
+
+
+def own_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The params a prepared optimizer steps that are not fp32 masters (their grads live
+    in ``.grad``). Cached per param_groups layout, so a loop pays O(groups), not O(params).
+    """
+    stash: AmpStash = getattr(optimizer, ATTR)
+    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    if stash.own_cache is None or stash.own_cache[0] != key:
+        masters = set() if stash.masters is None else {id(m) for m in stash.masters.master_params}
+        params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in masters]
+        stash.own_cache = (key, params)
+    return stash.own_cache[1]
 
 
 def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:

@@ -143,6 +143,7 @@ def _enabled(value: Any) -> bool:
 # whether it sits at its floor: a real streak is caught (16 backoffs take the default
 # 2**16 to 1) while an isolated overflow never costs a read.
 _FLOOR_CHECK_STREAK = 16
+_FOLD_EVERY = 64  # updates whose overflow flags are kept before the skip counters fold them
 
 
 def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
@@ -351,6 +352,7 @@ class GradScaler:
         self._growth_tracker: Optional[Tensor] = None
         self._skipped_steps: Optional[Tensor] = None
         self._consecutive_skips: Optional[Tensor] = None
+        self._pending_found: list[Tensor] = []  # overflow flags not yet in the counters
         self._last_skipped_host: Optional[bool] = False
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
             _refresh_per_optimizer_state)
@@ -654,7 +656,7 @@ class GradScaler:
         found_inf = found_inf.to(scale.device, non_blocking=True)
         if not synced:
             self._sync_found_inf(found_inf)
-        overflow = self._count_step(found_inf)
+        self._count_step(found_inf)
         if self._hysteresis == 1:
             torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
@@ -662,7 +664,7 @@ class GradScaler:
             # torch's kernel resets the tracker and backs off on every overflow; keep its
             # tracker reset but restore the old scale for overflows before the
             # hysteresis-th in a row. A device-side select, so no host sync.
-            hold = overflow & (self._consecutive_skips < self._hysteresis)
+            hold = (found_inf > 0) & (self._consecutive_skips < self._hysteresis)
             before = scale.clone()
             torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
                                      self._backoff_factor, self._growth_interval)
@@ -671,13 +673,37 @@ class GradScaler:
         # decay to 0, after which 1/scale is inf and every step is skipped forever).
         scale.clamp_(*self._scale_bounds())
 
-    def _count_step(self, found_inf: Tensor) -> Tensor:
-        overflow = found_inf > 0
+    def _count_step(self, found_inf: Tensor) -> None:
+        """Count an update; its skip counts are folded in later, a few ops per 64 updates.
+
+        Counting on every update took 4 device ops (torch's update takes 1); the flags
+        are kept (references to tensors nothing writes to again) and folded when the
+        counters are read, or every 64 updates. Hysteresis reads the run of overflows
+        every update, so it folds at once.
+        """
         self._steps += 1
-        self._skipped_steps.add_(overflow)
-        self._consecutive_skips.add_(1).mul_(overflow)
         self._last_skipped_host = None  # known on the device only, until someone asks
-        return overflow
+        self._pending_found.append(found_inf)
+        if self._hysteresis > 1 or len(self._pending_found) >= _FOLD_EVERY:
+            self._fold_counters()
+
+    def _fold_counters(self) -> None:
+        """Add the pending updates' overflows to the skip counters, on the device."""
+        pending, self._pending_found = self._pending_found, []
+        if len(pending) == 1:
+            overflow = pending[0] > 0
+            self._skipped_steps.add_(overflow)
+            self._consecutive_skips.add_(1).mul_(overflow)
+        elif pending:
+            n = len(pending)
+            flags = torch.stack([f.reshape(()) for f in pending]) > 0
+            self._skipped_steps.add_(flags.sum())
+            # 1-based position of the last clean update (0: none): the run of overflows
+            # after it is the new count, or the old count grows by n if there was none.
+            order = torch.arange(1, n + 1, device=flags.device)
+            last_clean = torch.where(flags, 0, order).max()
+            run = torch.where(last_clean > 0, n - last_clean, self._consecutive_skips + n)
+            self._consecutive_skips.copy_(run)
 
     def _set_scale(self, new_scale: Union[float, Tensor]) -> None:
         scale = self._scale
@@ -762,6 +788,7 @@ class GradScaler:
         if self._scale is None:
             return ScalerStats(self._init_scale, self._steps, self._init_skipped_steps,
                                self._init_consecutive_skips)
+        self._fold_counters()
         values = torch.stack([self._scale.double(), self._skipped_steps.double(),
                               self._consecutive_skips.double()]).tolist()
         return ScalerStats(values[0], self._steps, int(values[1]), int(values[2]))
@@ -777,6 +804,7 @@ class GradScaler:
         if not self._enabled:
             return False
         if self._last_skipped_host is None:
+            self._fold_counters()
             self._last_skipped_host = bool(self._consecutive_skips.item() > 0)
         return self._last_skipped_host
 
@@ -836,6 +864,7 @@ class GradScaler:
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._skipped_steps.fill_(self._init_skipped_steps)
             self._consecutive_skips.fill_(self._init_consecutive_skips)
+        self._pending_found = []
         self._last_skipped_host = self._init_consecutive_skips > 0
 
     def _parse_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -871,9 +900,11 @@ class GradScaler:
             state["_last_skipped_host"] = stats.consecutive_skips > 0
             for name in ("_scale", "_growth_tracker", "_skipped_steps", "_consecutive_skips"):
                 state[name] = None
+            state["_pending_found"] = []  # folded into the counters read by stats() above
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_fp16_grads", False)  # pickled before the fp16 floor existed
         state.setdefault("_host_overflow_streak", 0)
+        state.setdefault("_pending_found", [])
         self.__dict__.update(state)

@@ -1,0 +1,252 @@
+"""Host-side cost of one training step: ampkit's paths against torch.amp, on the CPU.
+
+What a GPU cannot hide: Python work, the ops dispatched per step (each one a kernel launch
+of ~5 us on a GPU) and host syncs. Measured per path, in one run:
+
+- *kernel ops / step*: ATen ops that compute or copy (views, aliases and bare
+  allocations excluded), counted with a TorchDispatchMode over one step;
+- *syncs / step*: reads of a tensor value by the host (``aten._local_scalar_dense``);
+- *host us / step*: median CPU time of this thread per step over interleaved rounds
+  (torch.amp and each ampkit path take turns, so drift hits all alike; thread time, not
+  wall time, so waiting for a busy machine's cores is not counted), 1 thread, tiny
+  models, so the time is dispatch and Python rather than arithmetic;
+- *peak B/param*: the most bytes of live tensors during a step (params, grads, masters,
+  optimizer state and temporaries), per parameter.
+
+Paths: torch.amp (torch.autocast + torch.amp.GradScaler, the reference), ampkit's
+torch-style loop (ampkit.autocast + ampkit.GradScaler), ampkit O1 and O2 through
+initialize + scale_loss, with AdamW foreach and fused, bf16.
+
+    PYTHONPATH=src python3 benchmarks/bench_host.py [--rounds 30] [--json out/bench_host.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import weakref
+from typing import Any, Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import ampkit  # noqa: E402
+from ampkit import frontend  # noqa: E402
+
+BF16 = torch.bfloat16
+_NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                "_local_scalar_dense", "detach", "alias", "lift_fresh", "_record_function_enter_new",
+                "_record_function_exit"}
+
+
+# --- the models -----------------------------------------------------------------------------
+def mlp() -> tuple[nn.Module, torch.Tensor]:
+    """The 10-100-10 MLP of torch's AMP recipe, batch 64."""
+    return nn.Sequential(nn.Linear(10, 100), nn.ReLU(), nn.Linear(100, 10)), torch.randn(64, 10)
+
+
+def linears() -> tuple[nn.Module, torch.Tensor]:
+    """200 x Linear(64, 64): many small tensors (400 params), batch 64."""
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(200)]), torch.randn(64, 64)
+
+
+MODELS = {"mlp": mlp, "200xlinear": linears}
+
+
+# --- the paths ------------------------------------------------------------------------------
+Step = Callable[[], None]
+
+
+def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **{kind: True})
+
+
+def torch_amp(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
+    opt = _optimizer(model, kind)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> None:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return step
+
+
+def ampkit_torch_style(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
+    opt = _optimizer(model, kind)
+    scaler = ampkit.GradScaler("cpu")
+
+    def step() -> None:
+        opt.zero_grad()
+        with ampkit.autocast("cpu", dtype=BF16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return step
+
+
+def _apex_style(level: str) -> Callable[[nn.Module, torch.Tensor, str], Step]:
+    def build(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
+        opt = _optimizer(model, kind)
+        model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=BF16,
+                                       loss_scale="dynamic", verbosity=0)
+        amp_state = frontend._amp
+
+        def step() -> None:
+            frontend._amp = amp_state  # each path keeps its own initialize
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            with ampkit.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return step
+    return build
+
+
+PATHS = {"torch.amp": torch_amp, "ampkit torch-style": ampkit_torch_style,
+         "ampkit O1": _apex_style("O1"), "ampkit O2": _apex_style("O2")}
+
+
+# --- the measures ---------------------------------------------------------------------------
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.syncs = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            self.syncs += 1
+        elif not func.is_view and name not in _NOT_KERNELS:
+            self.kernels += 1
+            self.names[name] = self.names.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(step: Step) -> _Counter:
+    """Kernel ops and host syncs of one step (after warm-up steps)."""
+    with _Counter() as counter:
+        step()
+    return counter
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of live tensor storages created inside it, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.live or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(value, torch.Tensor) and not func.is_view:
+                self._track(value)
+        return out
+
+
+def peak_bytes_per_param(build: Callable[..., Step], model_fn: Callable, kind: str) -> float:
+    """Peak bytes of live tensors over building and 2 steps, per parameter."""
+    torch.manual_seed(0)
+    model, x = model_fn()
+    n = sum(p.numel() for p in model.parameters())
+    with _LiveBytes() as live:
+        for p in model.parameters():  # the fp32 model the user built
+            live._track(p)
+        step = build(model, x, kind)
+        step()
+        step()
+    return live.peak / n
+
+
+def _fresh(build: Callable[..., Step], model_fn: Callable, kind: str) -> Step:
+    torch.manual_seed(0)
+    model, x = model_fn()
+    step = build(model, x, kind)
+    for _ in range(3):  # warm-up: lazy state (optimizer moments, scaler tensors)
+        step()
+    return step
+
+
+def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, dict]:
+    model_fn = MODELS[model_name]
+    steps_of = {name: _fresh(build, model_fn, kind) for name, build in PATHS.items()}
+    times: dict[str, list[float]] = {name: [] for name in PATHS}
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            start = time.thread_time_ns()
+            for _ in range(steps):
+                step()
+            times[name].append((time.thread_time_ns() - start) / steps / 1e3)
+    results = {}
+    for name, build in PATHS.items():
+        counter = count_ops(steps_of[name])
+        results[name] = {"kernel_ops": counter.kernels, "syncs": counter.syncs,
+                         "host_us": statistics.median(times[name]),
+                         "peak_bytes_per_param": peak_bytes_per_param(build, model_fn, kind),
+                         "ops": dict(sorted(counter.names.items()))}
+    ref = results["torch.amp"]
+    for row in results.values():
+        row["ops_vs_torch"] = row["kernel_ops"] - ref["kernel_ops"]
+        row["time_vs_torch"] = row["host_us"] / ref["host_us"]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--optimizers", default="foreach,fused")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    report = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "device": "cpu",
+              "threads": torch.get_num_threads(), "results": {}}
+    print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} thread, bf16, "
+          f"{args.rounds} interleaved rounds of {args.steps} steps")
+    print(f"{'model':11} {'optim':7} {'path':19} {'ops':>5} {'Δops':>5} {'syncs':>5} "
+          f"{'host us':>8} {'× torch':>7} {'B/param':>7}")
+    for model_name in args.models.split(","):
+        for kind in args.optimizers.split(","):
+            results = measure(model_name, kind, args.rounds, args.steps)
+            report["results"][f"{model_name}/{kind}"] = results
+            for name, r in results.items():
+                print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
+                      f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['host_us']:8.1f} "
+                      f"{r['time_vs_torch']:7.3f} {r['peak_bytes_per_param']:7.1f}")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
