@@ -124,9 +124,7 @@ class MasterWeights:
             if param.grad is not None]
         if not pending and unscale is None:
             return  # e.g. the step after scale_loss moved them
-        new = _to_fp32([param.grad for param, _ in pending])
-        for param, _ in pending:
-            param.grad = None  # the half gradient is freed as soon as its copy exists
+        new = _to_fp32([param for param, _ in pending])
         if unscale is not None:
             unscale(new)
         with torch.no_grad():
@@ -185,20 +183,45 @@ class MasterWeights:
                 del _REGISTRY[id(param)]
 
 
-def _to_fp32(grads: list[Tensor]) -> list[Tensor]:
-    """fp32 copies of half gradients: one buffer and one foreach copy per device (dense)."""
-    out: list[Optional[Tensor]] = [None] * len(grads)
+# The move converts a device's half gradients in this many buckets, freeing each bucket's
+# half gradients once it is copied: the move then holds at most 1/8 of them twice.
+_BUCKETS = 8
+
+
+def _to_fp32(params: list[Tensor]) -> list[Tensor]:
+    """fp32 copies of the params' half gradients, which are freed (set to None).
+
+    Dense ones: one buffer and one foreach copy per bucket of a device (O(buckets) copies,
+    no Python or kernel per gradient); sparse ones one by one.
+    """
+    out: list[Optional[Tensor]] = [None] * len(params)
     dense: dict[torch.device, list[int]] = defaultdict(list)
-    for i, grad in enumerate(grads):
-        if grad.is_sparse:
-            out[i] = grad.detach().float()
+    for i, param in enumerate(params):
+        if param.grad.is_sparse:
+            out[i], param.grad = param.grad.float(), None
         else:
-            dense[grad.device].append(i)
+            dense[param.grad.device].append(i)
     for device, indices in dense.items():
-        sizes = [grads[i].numel() for i in indices]
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-        views = [chunk.view(grads[i].shape) for i, chunk in zip(indices, flat.split(sizes))]
-        torch._foreach_copy_(views, [grads[i] for i in indices])
-        for i, view in zip(indices, views):
-            out[i] = view
+        for bucket in _buckets(indices, [params[i].numel() for i in indices]):
+            grads = [params[i].grad for i in bucket]
+            sizes = [g.numel() for g in grads]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            views = [part.view(g.shape) for g, part in zip(grads, flat.split(sizes))]
+            torch._foreach_copy_(views, grads)
+            for i, view in zip(bucket, views):
+                out[i], params[i].grad = view, None
     return out  # type: ignore[return-value]
+
+
+def _buckets(indices: list[int], sizes: list[int]) -> list[list[int]]:
+    """``indices`` in order, cut into at most _BUCKETS runs of about equal total size."""
+    target = max(1, -(-sum(sizes) // _BUCKETS))
+    buckets: list[list[int]] = [[]]
+    filled = 0
+    for index, size in zip(indices, sizes):
+        if filled >= target:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += size
+    return buckets
