@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+import zlib
+from typing import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings
 
 # CI runs the property tests on a fixed example sequence, so a red run is reproducible
@@ -21,6 +26,10 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 
+# torch's per-thread autocast state as a fresh process has it; every test must leave it so.
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_AUTOCAST_DEFAULTS = {d: torch.get_autocast_dtype(d) for d in _AUTOCAST_DEVICES}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
@@ -31,11 +40,100 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaks():
-    """Each test starts with no overrides registered and no active initialize."""
-    from ampkit import _state, overrides
+def _run_seed(config: pytest.Config) -> int | None:
+    """pytest-randomly's seed for this run, or None when it is not loaded."""
+    if not config.pluginmanager.hasplugin("randomly"):
+        return None
+    seed = config.getoption("randomly_seed", None)
+    return seed if isinstance(seed, int) else None
 
-    yield
-    overrides.clear()
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    # randomly prints its seed in the header, which -q hides: say it where a failure is read.
+    seed = _run_seed(config)
+    if seed is not None:
+        terminalreporter.write_line(f"Using --randomly-seed={seed} (pass it to rerun this order)")
+
+
+def _autocast_nesting() -> int:
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting()
+
+
+def _restore_torch_autocast() -> list[str]:
+    """Put torch's autocast thread state back to a fresh process's; say what was left on."""
+    leaks = []
+    for device, default in _AUTOCAST_DEFAULTS.items():
+        if torch.is_autocast_enabled(device):
+            leaks.append(f"torch autocast left enabled on {device!r}")
+            torch.set_autocast_enabled(device, False)
+        if torch.get_autocast_dtype(device) != default:
+            leaks.append(f"torch autocast dtype of {device!r} left at {torch.get_autocast_dtype(device)}")
+            torch.set_autocast_dtype(device, default)
+    if not torch.is_autocast_cache_enabled():
+        leaks.append("torch autocast cache left disabled")
+        torch.set_autocast_cache_enabled(True)
+    if _autocast_nesting():
+        leaks.append(f"torch autocast nesting left at {_autocast_nesting()}")
+        while torch.autocast_decrement_nesting() > 0:
+            pass
+    torch.clear_autocast_cache()
+    return leaks
+
+
+def _reset_ampkit() -> list[str]:
+    """Put every process-global of ampkit back to its import-time value; say what leaked."""
+    from ampkit import _state, frontend, master, optim, overrides, scaler
+    from ampkit.fp8 import linear as fp8_linear
+
+    autocast = importlib.import_module("ampkit.autocast")  # ampkit.autocast is the class
+
+    leaks = []
+    if overrides._local.frames or overrides._open_regions:
+        leaks.append(f"ampkit.autocast frames left open: {overrides._local.frames}")
+        overrides._local.frames.clear()
+        overrides._open_regions.clear()
+    overrides.clear()  # also resets overrides._installed once the registry is empty
     _state.set_active(None)
+    if hasattr(frontend, "_amp"):  # the active initialize's older home, beside _state's
+        frontend._amp = None
+    master._REGISTRY.clear()
+    for handle in optim._ORPHAN_HOOK:
+        handle.remove()
+    optim._ORPHAN_HOOK.clear()
+    optim._IS_ORPHAN.clear()
+    autocast._RESOLVED.clear()
+    autocast._CHECKED_DEVICES.clear()
+    scaler._TAKES_GRAD_SCALER.clear()
+    fp8_linear._emulation_warned.clear()
+    return leaks
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test starts from a fresh process's globals, whatever ran before it.
+
+    Resets ampkit's module state (overrides, the active initialize, the master registry,
+    the orphan hook, autocast's caches, the fp8 warn-once set) and torch's autocast state,
+    default dtype, grad mode, thread count, process group and the "ampkit" loggers. Seeds
+    torch per test, as pytest-randomly seeds ``random``. A test that leaves an
+    autocast region open (torch's or ampkit's) fails: no ampkit context manager may.
+    """
+    dtype, grad, threads = torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()
+    loggers = {name: logging.getLogger(name).level for name in ("ampkit", "ampkit.fp8")}
+    # Each test's torch seed depends on the run's seed and its own name, never on the tests
+    # that ran before it (pytest-randomly does the same for random and numpy).
+    torch.manual_seed(((_run_seed(request.config) or 0) + zlib.crc32(request.node.nodeid.encode())) % 2**32)
+    yield
+    leaks = _restore_torch_autocast() + _reset_ampkit()
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    for name, level in loggers.items():
+        logging.getLogger(name).setLevel(level)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        leaks.append("a torch.distributed process group left initialized")
+    if leaks:
+        pytest.fail("the test left global state behind (now reset): " + "; ".join(leaks))

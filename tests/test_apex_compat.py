@@ -17,12 +17,6 @@ from ampkit import frontend
 BF16, F16 = torch.bfloat16, torch.float16
 
 
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
-
-
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

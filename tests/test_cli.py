@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import ampkit
-from ampkit import frontend
 from ampkit.bench import report
 from ampkit.bench.runner import (BenchError, BenchSettings, adam_eps, parse_policy,
                                  parse_policy_list, run_policy, scaler_mode)
@@ -30,13 +29,6 @@ HAS_SKLEARN = __import__("importlib").util.find_spec("sklearn") is not None
 HAS_MATPLOTLIB = __import__("importlib").util.find_spec("matplotlib") is not None
 needs_sklearn = pytest.mark.skipif(not HAS_SKLEARN, reason="digits need scikit-learn (cli extra)")
 TINY = ["--model", "mlp", "--steps", "3", "--warmup", "1", "--batch-size", "8", "--quiet"]
-
-
-@pytest.fixture(autouse=True)
-def _no_amp_state_left():
-    """In-process runs call initialize(); leave no active amp state to later test modules."""
-    yield
-    frontend._amp = None
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

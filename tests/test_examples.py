@@ -11,18 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit import frontend
 from ampkit._dtypes import autocast_default_dtype
 from conftest import DEVICES
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LOSS = re.compile(r"loss (\S+) -> (\S+) after")
-
-
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
 
 
 def _run(name: str, args: list[str], monkeypatch, capsys) -> str:

@@ -26,12 +26,6 @@ F32 = torch.float32
 HALF = "half"  # stands for the parametrised half dtype in the opt-level table
 
 
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
-
-
 def _model(device: str = "cpu", seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),

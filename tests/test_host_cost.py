@@ -15,18 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit import frontend
 
 BF16 = torch.bfloat16
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "_local_scalar_dense", "detach",
                 "alias", "lift_fresh", "_record_function_enter_new",
                 "_record_function_exit"}
-
-
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
 
 
 class _Count(TorchDispatchMode):

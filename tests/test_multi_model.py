@@ -8,16 +8,9 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import frontend
 
 BF16 = torch.bfloat16
 SCALE = 2.0**16
-
-
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
 
 
 def _gan(seed: int = 0) -> tuple[nn.Module, nn.Module]:

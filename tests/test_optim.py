@@ -10,15 +10,8 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import frontend
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _reset_amp():
-    yield
-    frontend._amp = None
 
 
 def _setup(level: str = "O2"):
