@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ampkit  # noqa: E402
-from ampkit import frontend  # noqa: E402
+from ampkit import _state  # noqa: E402
 
 BF16 = torch.bfloat16
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -100,10 +100,10 @@ def _apex_style(level: str) -> Callable[[nn.Module, torch.Tensor, str], Step]:
         opt = _optimizer(model, kind)
         model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=BF16,
                                        loss_scale="dynamic", verbosity=0)
-        amp_state = frontend._amp
+        active = _state.get_active()
 
         def step() -> None:
-            frontend._amp = amp_state  # each path keeps its own initialize
+            _state.set_active(active)  # each path keeps its own initialize
             opt.zero_grad()
             loss = model(x).float().pow(2).mean()
             with ampkit.scale_loss(loss, opt) as scaled:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import frontend
+from ampkit import _state, frontend
 
 BF16, F16 = torch.bfloat16, torch.float16
 
@@ -150,7 +150,7 @@ def test_a_meta_device_model_is_refused_and_changes_no_default():
         model = _model()
     with pytest.raises(ValueError, match="parameter '0.weight' on the meta device"):
         amp.initialize(model, opt_level="O1")
-    assert frontend._amp is None
+    assert _state.get_active() is None
     assert amp.autocast().device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -187,6 +187,6 @@ def test_fp16_o2_scale_floors_at_one_and_warns_on_a_floored_streak():
 
 def test_bf16_o2_and_an_explicit_min_loss_scale_keep_their_floor():
     model, opt = _init("O2", BF16)
-    assert frontend._amp.scalers[0].min_scale is None
+    assert _state.get_active().scalers[0].min_scale is None
     model, opt = _init("O2", F16, min_loss_scale=2.0**-4)
-    assert frontend._amp.scalers[0].min_scale == 2.0**-4
+    assert _state.get_active().scalers[0].min_scale == 2.0**-4

@@ -19,7 +19,8 @@ import torch
 import ampkit
 from ampkit.bench import report
 from ampkit.bench.runner import (BenchError, BenchSettings, adam_eps, parse_policy,
-                                 parse_policy_list, run_policy, scaler_mode)
+                                 parse_policy_list, run_policy,
+                                 loss_scaling_label)
 from ampkit.bench.train import TrainError, TrainSettings, train
 from ampkit._dtypes import recommend_policy
 from ampkit.cli import main
@@ -69,6 +70,7 @@ def test_help_of_each_command(capsys):
 
 
 # --- bench ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_json_has_every_field_and_compares_to_the_first(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", *TINY, "--policies", "32-true,bf16-mixed,O2,16-mixed",
@@ -91,11 +93,12 @@ def test_bench_json_has_every_field_and_compares_to_the_first(tmp_path):
     assert (ref["speedup"], ref["max_loss_dev"], ref["mem_ratio"]) == (1.0, 0.0, 1.0)
     # Same seeded weights and data: the first step's loss is the fp32 forward, rounded.
     assert abs(o2["losses"][0] - ref["losses"][0]) < 0.05
-    assert o2["half_dtype"] == "bfloat16" and o2["loss_scaling"] == "off"
+    assert o2["half_dtype"] == "bfloat16" and o2["loss_scaling"] == "dynamic"  # O2 as initialize applies it
     assert fp16["loss_scaling"] == "dynamic" and fp16["skipped_steps"] == 0
     assert fp16["final_scale"] == 65536.0
 
 
+@pytest.mark.slow
 def test_bench_default_isolates_policies_and_writes_json_to_stdout():
     proc = run_cli("bench", *TINY, "--policies", "32-true,bf16-mixed", "--json", "-")
     assert proc.returncode == 0, proc.stderr
@@ -135,6 +138,7 @@ def test_tables_fall_back_to_plain_text_without_rich(capsys, monkeypatch):
     assert any(line.startswith("bf16-mixed ") for line in out)
 
 
+@pytest.mark.slow
 def test_user_workload_from_the_current_directory(tmp_path):
     (tmp_path / "mywork.py").write_text(textwrap.dedent("""
         import torch
@@ -230,6 +234,7 @@ def test_cuda_without_a_gpu_names_the_valid_devices(capsys):
     assert "'cuda' is not available here" in line and "valid: cpu" in line
 
 
+@pytest.mark.slow
 def test_a_bad_value_shows_no_traceback_from_the_real_command():
     proc = run_cli("bench", "--policies", "O9")
     assert proc.returncode == 2 and proc.stdout == ""
@@ -260,11 +265,13 @@ def test_policy_list_splits_explicit_policies_and_resolves_opt_levels():
 
 
 def test_loss_scaling_and_adam_eps_follow_the_policy():
-    assert scaler_mode(parse_policy("16-mixed", "cpu").policy) == "dynamic"
-    assert scaler_mode(parse_policy("O2", "cpu").policy) is None  # bf16: no scaling needed
-    assert scaler_mode(parse_policy("O2-fp16", "cpu").policy) == "dynamic"
-    assert scaler_mode(parse_policy("p=f16,c=f16,o=f32,scale=128", "cpu").policy) == 128.0
-    assert scaler_mode(parse_policy("32-true", "cpu").policy) is None
+    # One rule, the policy's (initialize applies the same): the apex opt levels are dynamic
+    # in either half dtype, bf16-mixed and the fp32 policies do not scale.
+    label = lambda name: loss_scaling_label(parse_policy(name, "cpu").policy)  # noqa: E731
+    assert label("16-mixed") == "dynamic"
+    assert label("O2") == "dynamic" and label("O1-bf16") == "dynamic"
+    assert label("bf16-mixed") == "off" and label("32-true") == "off"
+    assert label("p=f16,c=f16,o=f32,scale=128") == "static 128"
     assert adam_eps(parse_policy("16-true", "cpu").policy) == 1e-4
     assert adam_eps(parse_policy("O2-fp16", "cpu").policy) == 1e-8  # fp32 masters
     assert adam_eps(parse_policy("bf16-true", "cpu").policy) == 1e-8
@@ -296,6 +303,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
         train(TrainSettings(data="synthetic", epochs=2), checkpoint=ckpt + ".missing", resume=True)
 
 
+@pytest.mark.slow
 def test_train_command_checkpoint_and_resume_give_the_same_json(tmp_path):
     ckpt, whole, resumed = (str(tmp_path / n) for n in ("c.pt", "whole.json", "resumed.json"))
     common = ["train", "--data", "synthetic", "--opt-level", "O1", "--batch-size", "256", "--quiet"]
@@ -306,11 +314,12 @@ def test_train_command_checkpoint_and_resume_give_the_same_json(tmp_path):
     assert "resumed after epoch 1" in proc.stdout and "epoch   2/2" in proc.stdout
     a, b = json.loads(Path(whole).read_text()), json.loads(Path(resumed).read_text())
     assert _epochs(a) == _epochs(b) and a["final"]["test_acc"] == b["final"]["test_acc"]
-    # O1 on a CPU is bf16 autocast; bf16 needs no loss scaling, so none is done.
+    # O1 on a CPU is bf16 autocast, with apex's dynamic loss scale as initialize gives it.
     assert b["resolved_policy"].startswith("p=f32,c=bf16,o=f32,autocast=1")
-    assert b["loss_scaling"] == "off" and b["environment"]["device"] == "cpu"
+    assert b["loss_scaling"] == "dynamic" and b["environment"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 @needs_sklearn
 def test_every_policy_ends_within_one_point_of_fp32_on_digits():
     accuracy = {}

@@ -1,24 +1,52 @@
-"""The process-wide setting left by the most recent ``initialize`` call.
+"""ampkit's one piece of process-wide state: the active ``initialize``.
 
-``autocast`` and ``GradScaler`` read it to infer the device and half dtype when the
-caller gives none; ``initialize`` writes it (and ``initialize(enabled=False)`` or a
-later call replaces it, so no state leaks from an earlier call).
+``initialize`` writes it (a later call, or ``initialize(enabled=False)``, replaces it
+whole, so nothing leaks from an earlier call); ``autocast`` and ``GradScaler`` read the
+device type and half dtype from it when the caller gives none; ``scale_loss`` its loss
+scalers. Nothing here refers to a model or an optimizer. The test fixture resets it with
+``set_active(None)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from .policy import Policy
+    from .scaler import GradScaler
 
-@dataclass(frozen=True)
+
+@dataclass(eq=False)
 class ActiveAmp:
-    """Device type and half dtype of the model given to the active ``initialize``."""
+    """The active ``initialize``: where it runs and what it set up.
+
+    Args:
+        device_type: the device type of the models it was given.
+        half_dtype: its policy's half dtype (None for fp32).
+        enabled: False after ``initialize(enabled=False)``: scale_loss passes through.
+        policy: the policy it applied.
+        scalers: one loss scaler per loss (``num_losses``).
+        log_level: the logging level of its messages (from ``verbosity``).
+        scaling: False while the loss scale is a fixed 1.0 (scale_loss has nothing to do).
+        overflow_notes: fused overflows on their way to the host, for the log.
+    """
 
     device_type: str
     half_dtype: Optional[torch.dtype]
+    enabled: bool = True
+    policy: Optional["Policy"] = None
+    scalers: list["GradScaler"] = field(default_factory=list)
+    log_level: int = logging.INFO
+    scaling: bool = False
+    overflow_notes: list[Any] = field(default_factory=list)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.policy is not None and self.policy.dynamic_loss_scale
 
 
 _active: Optional[ActiveAmp] = None
@@ -35,6 +63,6 @@ def get_active() -> Optional[ActiveAmp]:
 
 def inferred_device_type() -> str:
     """The active initialize's device type, else "cuda" when available, else "cpu"."""
-    if _active is not None:
+    if _active is not None and _active.enabled:
         return _active.device_type
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,9 @@
 """Precision policies: which dtype the parameters, the computation and the outputs use.
 
-A :class:`Policy` is resolved once from a name (``get_policy``) and then applied by
-``initialize`` (model and optimizer) and ``autocast`` (ops).
+A :class:`Policy` is resolved once from a name (``get_policy``) and carries its behaviour:
+what to cast where (:attr:`Policy.input_dtype`, :meth:`Policy.cast_outputs_to`), which
+loss scaling (:attr:`Policy.loss_scaling`), whether fp32 masters exist. ``ampkit.apply``
+applies it to models and optimizers, ``autocast`` to ops.
 """
 
 from __future__ import annotations
@@ -17,6 +19,30 @@ from ._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype, short_name
 
 LossScale = Union[float, str]
 _F32, _F16, _BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """How a policy scales the loss: the one rule, decided from ``Policy.loss_scale``.
+
+    ``"dynamic"``: apex's/torch's dynamic scale (grows after clean steps, backs off and
+    skips the step on an overflow). A fixed number other than 1: static, as apex's static
+    scale: the loss is multiplied and the gradients divided by it, nothing is checked or
+    skipped (and no host sync is spent on checking). 1.0: none. The presets decide which:
+    the apex opt levels O1/O2 and 16-mixed are dynamic in either half dtype (apex's
+    contract), bf16-mixed and the pure-half policies use none (bf16 has fp32's exponent
+    range, so it needs no scaling unless asked for).
+    """
+
+    kind: str  # "none", "static" or "dynamic"
+    scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.kind == "dynamic"
+
+    def __str__(self) -> str:
+        return f"static {self.scale:g}" if self.kind == "static" else self.kind
 
 
 @dataclass(frozen=True)
@@ -76,6 +102,28 @@ class Policy:
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == "dynamic"
+
+    @property
+    def loss_scaling(self) -> LossScaling:
+        """The loss scaling this policy asks for (see :class:`LossScaling`)."""
+        if self.loss_scale == "dynamic":
+            return LossScaling("dynamic")
+        scale = float(self.loss_scale)
+        return LossScaling("none") if scale == 1.0 else LossScaling("static", scale)
+
+    @property
+    def input_dtype(self) -> Optional[torch.dtype]:
+        """The dtype floating inputs are cast to before forward: the params', when half."""
+        return self.param_dtype if self.param_dtype in HALF_DTYPES else None
+
+    def cast_outputs_to(self, explicit: bool = False) -> Optional[torch.dtype]:
+        """The dtype floating outputs are cast to, or None to leave them.
+
+        Half models and autocast regions cast them to ``output_dtype``; other policies
+        only when asked (``explicit``, apex's ``cast_model_outputs``).
+        """
+        cast = self.param_dtype in HALF_DTYPES or self.autocast or explicit
+        return self.output_dtype if cast else None
 
     def with_half_dtype(self, half_dtype: torch.dtype) -> "Policy":
         """The same policy with every half dtype replaced by ``half_dtype``."""

@@ -13,9 +13,10 @@ with fused optimizers (``_step_supports_amp_scaling``), which read ``found_inf``
 device. ``get_scale``, ``stats``, ``state_dict`` and ``last_step_skipped`` read device
 values and so sync (``last_step_skipped`` only when no plain ``step`` already did).
 
-Shared with ``ampkit.frontend`` (private, but a stable seam): :func:`unscale_grads_`,
-:meth:`GradScaler._inverse_scale`, :meth:`GradScaler._lazy_init_scale_growth_tracker`
-and :meth:`GradScaler._apply_update`.
+Beyond torch's methods, a small public seam for loss-scaling drivers (ampkit's
+``scale_loss``): :func:`unscale_grads_`, :meth:`GradScaler.inverse_scale`,
+:meth:`GradScaler.scale_tensor`, :meth:`GradScaler.update_from` and
+:meth:`GradScaler.check_state_dict`.
 """
 
 from __future__ import annotations
@@ -418,6 +419,27 @@ class GradScaler:
 
     def _get_scale_async(self) -> Optional[Tensor]:
         return self._scale
+
+    # --- the seam for loss-scaling drivers (ampkit's scale_loss), beyond torch's API --------
+    def inverse_scale(self) -> Tensor:
+        """1/scale as a float32 device tensor, for unscaling gradients by hand; no host sync."""
+        return self._inverse_scale()
+
+    def scale_tensor(self) -> Optional[Tensor]:
+        """The scale as a device tensor (None before the first ``scale``); no host sync."""
+        return self._scale
+
+    def update_from(self, found_inf: Tensor) -> None:
+        """One iteration's update from a combined found-inf flag (what ``update`` applies):
+        all-reduced over ``process_group``, counted, backoff/growth, clamp. No host sync.
+
+        Example: ``unscale_grads_(grads, scaler.inverse_scale(), found); scaler.update_from(found)``.
+        """
+        self._apply_update(found_inf)
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise as ``load_state_dict`` would, without loading anything."""
+        self._parse_state_dict(state_dict)
 
     # --- scale ------------------------------------------------------------------------------
     def scale(self, outputs: Any) -> Any:

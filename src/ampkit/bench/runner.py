@@ -1,9 +1,10 @@
 """Runs one training loop under each precision policy and measures it honestly.
 
 One loop serves every policy because the pieces a policy does not use are no-ops
-(nanoGPT's habit): ``initialize`` converts the model and optimizer only for half
-parameters, ``autocast`` is entered with ``enabled=policy.autocast``, and the
-``GradScaler`` is disabled unless the policy scales the loss. fp8 is ``convert_to_fp8``
+(nanoGPT's habit): ``ampkit.apply.apply_policy`` (the seam ``initialize`` uses) converts
+the model and optimizer as the policy says, ``autocast`` is entered with
+``enabled=policy.autocast``, and the ``GradScaler`` (``apply.loop_scaler``) is disabled
+unless the policy scales the loss. fp8 is ``convert_to_fp8``
 plus bf16 autocast.
 
 Measurement rules: every policy starts from the same seeded weights and the same
@@ -32,9 +33,8 @@ from torch import Tensor, nn
 from .._dtypes import HALF_DTYPES, autocast_default_dtype, fp8_supported, resolve_dtype
 from ..autocast import autocast
 from ..fp8 import Float8Config, Float8Linear, Recipe, convert_to_fp8
-from ..frontend import initialize
+from ..apply import apply_policy, loop_scaler
 from ..policy import OPT_LEVELS, Policy, get_policy, preset_names
-from ..scaler import GradScaler
 from .workloads import Workload, WorkloadError, get_workload
 
 FP8_RECIPES = tuple(recipe.value for recipe in Recipe)
@@ -150,32 +150,11 @@ def _join_explicit(items: list[str]) -> list[str]:
     return out
 
 
-# --- applying a policy: the one seam between a policy and the training loop -------------
-def scaler_mode(policy: Policy) -> Optional[Any]:
-    """How the loss is scaled: "dynamic", a fixed float, or None (no scaling).
-
-    Dynamic scaling only for fp16: bf16 has fp32's exponent range, so its gradients do
-    not underflow where fp32's would not, and the overflow check would only cost time.
-    """
-    if policy.loss_scale == "dynamic":
-        return "dynamic" if _F16 in (policy.param_dtype, policy.compute_dtype) else None
-    return None if policy.loss_scale == 1.0 else float(policy.loss_scale)
-
-
-def make_scaler(policy: Policy, device_type: str) -> GradScaler:
-    """ampkit's GradScaler for the policy: disabled (a no-op) when it does not scale."""
-    mode = scaler_mode(policy)
-    if isinstance(mode, float):  # a static scale: pinned by equal bounds, overflows still skip
-        return GradScaler(device_type, init_scale=mode, min_scale=mode, max_scale=mode)
-    return GradScaler(device_type, enabled=mode == "dynamic")
-
-
-def initialize_kwargs(policy: Policy) -> dict[str, Any]:
-    """initialize()'s keywords for a policy with half parameters (O2 with masters, else O3)."""
-    return dict(opt_level="O2" if policy.master_weights else "O3",
-                half_dtype=policy.param_dtype, master_weights=policy.master_weights,
-                keep_batchnorm_fp32=policy.keep_batchnorm_fp32, loss_scale=policy.loss_scale,
-                cast_model_outputs=policy.output_dtype, verbosity=0)
+# --- applying a policy: through ampkit.apply, the seam initialize uses too ----------------
+def loss_scaling_label(policy: Policy) -> str:
+    """How the policy scales the loss, for reports: "off", "dynamic" or "static <scale>"."""
+    scaling = policy.loss_scaling
+    return "off" if scaling.kind == "none" else str(scaling)
 
 
 class Precision:
@@ -200,8 +179,7 @@ class Precision:
         # Built once: entering the same region every step costs no per-step setup.
         self.autocast = autocast(device.type, dtype=policy.compute_dtype if policy.autocast
                                  else _F32, enabled=policy.autocast)
-        self.scaler = make_scaler(policy, device.type)
-        self.uses_initialize = policy.param_dtype in HALF_DTYPES
+        self.scaler = loop_scaler(policy, device.type)
         self.fp8_layers = 0
 
     def setup(self, model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]],
@@ -215,8 +193,7 @@ class Precision:
             model = convert_to_fp8(model, recipe=Float8Config(self.spec.fp8_recipe, emulate=emulate))
             self.fp8_layers = sum(isinstance(m, Float8Linear) for m in model.modules())
         optimizer = make_optimizer(model.parameters())
-        if self.uses_initialize:
-            model, optimizer = initialize(model, optimizer, **initialize_kwargs(self.spec.policy))
+        apply_policy(self.spec.policy, model, optimizer)
         return model, optimizer
 
 
@@ -475,13 +452,12 @@ def summarise(spec: PolicySpec, settings: BenchSettings, workload: Workload,
     ordered = sorted(times)
     median = _percentile(ordered, 0.5)
     half = spec.policy.half_dtype
-    mode = scaler_mode(spec.policy)
     stats = precision.scaler.stats() if precision.scaler.is_enabled() else None
     return {
         "policy": spec.label, "resolved": str(spec.policy),
         "half_dtype": None if half is None else str(half).replace("torch.", ""),
         "fp8_recipe": spec.fp8_recipe, "fp8_layers": precision.fp8_layers,
-        "loss_scaling": "off" if mode is None else str(mode),
+        "loss_scaling": loss_scaling_label(spec.policy),
         "adam_eps": adam_eps(spec.policy),
         "step_ms": median, "step_ms_iqr": _percentile(ordered, 0.75) - _percentile(ordered, 0.25),
         "step_ms_min": ordered[0], "step_ms_max": ordered[-1], "step_times_ms": times,

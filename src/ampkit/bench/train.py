@@ -24,11 +24,9 @@ import torch
 from torch import nn
 
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
-from ..frontend import load_state_dict as amp_load_state_dict
-from ..frontend import state_dict as amp_state_dict
 from .data import DATASETS, Dataset, load_data
 from .runner import (PolicySpec, Precision, adam_eps, adamw_factory, parse_policy,
-                     scaler_mode, train_step)
+                     loss_scaling_label, train_step)
 from .workloads import (WorkloadError, call_user_function, classification_loss, make_cnn,
                         make_mlp, make_resnet18)
 
@@ -180,8 +178,6 @@ class Trainer:
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.precision.scaler.state_dict(), "amp": None,
                  "fp8": fp8_state_dict(self.model), "history": list(self.history)}
-        if self.precision.uses_initialize:
-            state["amp"] = amp_state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -202,9 +198,6 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
         with _loading("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])
-        if state["amp"] is not None and self.precision.uses_initialize:
-            with _loading("amp"):
-                amp_load_state_dict(state["amp"])
         self.history = list(state["history"])
 
     def save(self, path: str) -> None:
@@ -374,7 +367,7 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
             on_epoch(record)
     return {"settings": asdict(settings), "resolved_policy": str(trainer.spec.policy),
             "adam_eps": adam_eps(trainer.spec.policy),
-            "loss_scaling": str(scaler_mode(trainer.spec.policy) or "off"),
+            "loss_scaling": loss_scaling_label(trainer.spec.policy),
             "data": data.describe(), "resumed_from_epoch": start if state is not None else None,
             "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None}
 

@@ -1,0 +1,56 @@
+"""Argument checks shared by the front ends: one rule per kind of mistake.
+
+A value of the wrong type raises TypeError, a value of the right type out of range
+ValueError; both name the argument, the value and what is valid.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional
+
+
+def check_bool(name: str, value: Any, *, strings: bool = False) -> bool:
+    """A bool (``strings``: also "True"/"False", as apex took them from argparse)."""
+    if isinstance(value, bool):
+        return value
+    if strings and value in ("True", "False"):
+        return value == "True"
+    valid = "True, False" + (", 'True', 'False'" if strings else "")
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}; valid: {valid}")
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """An int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_positive(name: str, value: Any, *, allow_none: bool = False) -> Optional[float]:
+    """A positive finite real number (or None when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    valid = "a positive finite number" + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return float(value)
+
+
+def as_list(value: Any, name: str, kind: type, kind_name: str) -> list:
+    """``value`` as a list of ``kind``: one of them, or a list/tuple of them."""
+    if isinstance(value, kind):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a {kind_name} or a list of them, got "
+                        f"{type(value).__name__} {value!r}")
+    for i, item in enumerate(value):
+        if not isinstance(item, kind):
+            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({item!r}), not a "
+                            f"{kind_name}; valid: a {kind_name} or a list of them")
+    return list(value)

@@ -1,0 +1,250 @@
+"""The one seam: apply a :class:`~ampkit.policy.Policy` to models and optimizers.
+
+``initialize`` (apex's keywords), ``ampkit bench`` and ``ampkit train`` all come here:
+:func:`plan` validates everything and decides the loss scalers without changing
+anything; :meth:`Plan.apply` then converts the models (``convert.py``: parameter dtype,
+forward casts, fp32 state dicts) and prepares the optimizers (``optim.py``: one wrapper,
+fp32 masters under master-weight policies). :func:`apply_policy` does both.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import as_list, check_int, check_positive
+from ._dtypes import HALF_DTYPES, default_device_type
+from .autocast import autocast
+from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
+from .master import MasterWeights, master_of, release_masters
+from .optim import stash_of, wrap
+from .policy import Policy, get_policy
+from .scaler import FP16_GRAD_MIN_SCALE, GradScaler
+
+ModelArg = Union[nn.Module, Sequence[nn.Module]]
+OptimizerArg = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
+_DYNAMIC_INIT_SCALE = 2.0**16  # apex's first dynamic scale
+_GROWTH_INTERVAL = 2000  # apex's clean steps before the scale doubles
+
+
+@dataclass(eq=False)
+class Plan:
+    """A validated policy application: what :meth:`apply` will do, nothing done yet.
+
+    Attributes:
+        policy: the policy to apply.
+        models, optimizers: what it applies to.
+        device_type: the models' device type.
+        scalers: one loss scaler per loss, as the policy's loss scaling says.
+        explicit_outputs: floating outputs are cast to ``policy.output_dtype`` even where
+            the policy alone would not cast them (apex's ``cast_model_outputs``).
+    """
+
+    policy: Policy
+    models: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    device_type: str
+    scalers: list[GradScaler]
+    explicit_outputs: bool = False
+
+    def apply(self) -> "Plan":
+        """Convert the models and prepare the optimizers; returns self."""
+        _apply(self)
+        return self
+
+
+def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[OptimizerArg] = None,
+         *, num_losses: int = 1, min_loss_scale: Optional[float] = None,
+         max_loss_scale: Optional[float] = 2.0**24, explicit_outputs: bool = False) -> Plan:
+    """Validate an application of ``policy`` and decide its loss scalers; changes nothing."""
+    policy = get_policy(policy)
+    model_list = check_models(models)
+    opt_list = check_optimizers(optimizers)
+    count = check_int("num_losses", num_losses, 1)
+    device_type = device_type_of(model_list)
+    scalers = make_scalers(policy, count, device_type, min_loss_scale, max_loss_scale)
+    check_params(model_list, opt_list, policy)
+    return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs)
+
+
+def apply_policy(policy: Union[Policy, str], models: ModelArg,
+                 optimizers: Optional[OptimizerArg] = None, **kwargs: Any) -> Plan:
+    """Apply ``policy`` to models and optimizers (validated first: a refusal changes nothing).
+
+    Example:
+        >>> handle = apply_policy("O2", model, optimizer)  # doctest: +SKIP
+        >>> handle.scalers[0].get_scale()  # doctest: +SKIP
+        65536.0
+    """
+    return plan(policy, models, optimizers, **kwargs).apply()
+
+
+# --- validation ----------------------------------------------------------------------------
+def check_models(models: Any) -> list[nn.Module]:
+    model_list = as_list(models, "models", nn.Module, "torch.nn.Module")
+    if not model_list:
+        raise ValueError("models is an empty list; pass a torch.nn.Module or a list of them")
+    for i, model in enumerate(model_list):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            raise TypeError(f"models[{i}] is wrapped in {type(model).__name__}; pass the bare "
+                            f"module (valid: a torch.nn.Module not wrapped in "
+                            f"DistributedDataParallel/DataParallel) and wrap it after initialize")
+    return model_list
+
+
+def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return []
+    opt_list = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+    for i, optimizer in enumerate(opt_list):
+        if any(optimizer is other for other in opt_list[:i]):
+            raise ValueError(f"optimizers[{i}] ({type(optimizer).__name__}) is listed twice; "
+                             "valid: each optimizer once")
+        if stash_of(optimizer) is not None:
+            raise RuntimeError(
+                f"optimizers[{i}] ({type(optimizer).__name__}) was already passed through "
+                "ampkit.initialize; an optimizer can be initialized only once: create a new "
+                "optimizer over the model's parameters and pass that")
+    return opt_list
+
+
+def device_type_of(models: list[nn.Module]) -> str:
+    """The device type of the first parameter (a meta model is refused)."""
+    for i, model in enumerate(models):
+        for name, param in model.named_parameters():
+            if param.device.type == "meta":
+                raise ValueError(
+                    f"models[{i}] has parameter {name!r} on the meta device (no data to train "
+                    "or cast); valid: a model with real storage, e.g. materialize it first with "
+                    "model.to_empty(device=...) and initialize its weights")
+            return param.device.type
+    return default_device_type()
+
+
+def check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 policy: Policy) -> None:
+    """Each optimizer steps some of the models' parameters, in non-empty groups, and under
+    master weights no parameter is stepped by two optimizers (one master per parameter).
+    """
+    model_params = {id(p) for model in models for p in model.parameters()}
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        params = []
+        for j, group in enumerate(optimizer.param_groups):
+            if not group["params"]:
+                raise ValueError(f"optimizers[{i}].param_groups[{j}] has no parameters; valid: "
+                                 "groups that each hold at least one parameter")
+            params.extend(group["params"])
+        if model_params and not any(id(p) in model_params for p in params):
+            raise ValueError(f"optimizers[{i}] ({type(optimizer).__name__}) steps none of the "
+                             "parameters of the models given to initialize; valid: an optimizer "
+                             "built over those models' parameters")
+        for p in params:
+            first = owner.setdefault(id(p), i)
+            if first != i and policy.master_weights:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in optimizers[{first}] and "
+                    f"optimizers[{i}]; with master weights each half parameter has one fp32 "
+                    "master that one optimizer steps; valid: each parameter in one optimizer")
+
+
+# --- loss scaling: the policy decides, a GradScaler carries it out -------------------------
+def make_scalers(policy: Policy, count: int, device_type: str, min_loss_scale: Any = None,
+                 max_loss_scale: Any = 2.0**24) -> list[GradScaler]:
+    """One loss scaler per loss, as ``policy.loss_scaling`` says.
+
+    Dynamic: apex's schedule (2**16, doubling after 2000 clean steps, up to
+    ``max_loss_scale``), floored at ``min_loss_scale`` — 1.0 by default when the model's
+    own gradients are fp16. Static and none: a scaler that only holds the fixed scale;
+    the front end never updates it (apex's static scale never skips a step).
+    """
+    low = check_positive("min_loss_scale", min_loss_scale, allow_none=True)
+    high = check_positive("max_loss_scale", max_loss_scale)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"min_loss_scale={min_loss_scale!r} is greater than "
+                         f"max_loss_scale={max_loss_scale!r}; valid: min_loss_scale <= max_loss_scale")
+    scaling = policy.loss_scaling
+    if not scaling.dynamic:
+        return [GradScaler(device_type, init_scale=scaling.scale) for _ in range(count)]
+    if low is None and policy.param_dtype == torch.float16:
+        # The model's own gradients are fp16: below a scale of 1 every step flushes more of
+        # them to zero (at the fp32 floor all of them) instead of skipping.
+        low = FP16_GRAD_MIN_SCALE
+    return [GradScaler(device_type, init_scale=_DYNAMIC_INIT_SCALE, growth_interval=_GROWTH_INTERVAL,
+                       min_scale=low, max_scale=high) for _ in range(count)]
+
+
+def loop_scaler(policy: Policy, device_type: str) -> GradScaler:
+    """The GradScaler a torch-style loop (``scale``/``step``/``update``) uses for ``policy``.
+
+    None: disabled (every method a no-op). Dynamic: :func:`make_scalers`'s. Static: the
+    fixed scale, pinned by equal bounds; torch's GradScaler contract checks every step, so
+    here an overflowing step is still skipped (scale_loss's static scale, apex's, is not).
+    """
+    scaling = policy.loss_scaling
+    if scaling.kind == "none":
+        return GradScaler(device_type, enabled=False)
+    if scaling.kind == "static":
+        return GradScaler(device_type, init_scale=scaling.scale, min_scale=scaling.scale,
+                          max_scale=scaling.scale)
+    return make_scalers(policy, 1, device_type)[0]
+
+
+# --- applying ---------------------------------------------------------------------------------
+def _apply(p: Plan) -> None:
+    policy = p.policy
+    params = [param for model in p.models for param in model.parameters()]
+    # An earlier initialize's masters of these parameters would keep taking their grads;
+    # their fp32 values seed the new masters (the half params are rounded from them).
+    earlier = {id(param): m for param in params if (m := master_of(param)) is not None}
+    release_masters(params)
+    casts = _forward_casts(policy, p.device_type, p.explicit_outputs)
+    keep_fp32 = BATCHNORM_TYPES if policy.keep_batchnorm_fp32 else ()
+    for model in p.models:
+        if conversion_of(model) is not None:
+            _restore_fp32(model, earlier)
+    # The fp32 values before the cast (references to their storage, no copies): the new
+    # masters start from them, not from the half values rounded from them.
+    fp32_values = {id(param): param.data for param in params if param.dtype == torch.float32}
+    for model in p.models:
+        convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_fp32, casts=casts)
+    for optimizer in p.optimizers:
+        masters = wrap(optimizer, master_weights=policy.master_weights).masters
+        if masters is not None:
+            _seed_masters(masters, fp32_values)
+
+
+@torch.no_grad()
+def _restore_fp32(model: nn.Module, earlier: dict[int, Tensor]) -> None:
+    """Undo an earlier initialize's cast: params back to fp32 (their masters' values when
+    they had masters, so nothing is lost) and half buffers back to fp32, in place, so the
+    new policy starts from the fp32 model the earlier call was given.
+    """
+    for param in model.parameters():
+        if param.dtype in HALF_DTYPES:
+            master = earlier.get(id(param))
+            param.data = master.detach().clone() if master is not None else param.data.float()
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.dtype in HALF_DTYPES:
+                module._buffers[name] = buffer.float()
+
+
+@torch.no_grad()
+def _seed_masters(masters: MasterWeights, earlier: dict[int, Tensor]) -> None:
+    for param, master in zip(masters.model_params, masters.master_params):
+        previous = earlier.get(id(param))
+        if previous is not None and previous.shape == master.shape:
+            master.copy_(previous)
+
+
+def _forward_casts(policy: Policy, device_type: str, explicit_outputs: bool) -> ForwardCasts:
+    region = (functools.partial(autocast, device_type, policy.compute_dtype)
+              if policy.autocast else None)
+    return ForwardCasts(input_dtype=policy.input_dtype,
+                        output_dtype=policy.cast_outputs_to(explicit_outputs),
+                        autocast=region)

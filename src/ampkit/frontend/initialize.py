@@ -1,0 +1,145 @@
+"""``initialize``: apex.amp's keywords resolved to a Policy, applied through ``ampkit.apply``."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+
+from .. import _state
+from .._checks import check_bool, check_int
+from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, resolve_dtype
+from ..apply import ModelArg, OptimizerArg, check_models, check_optimizers, device_type_of, plan
+from ..policy import OPT_LEVELS, Policy, get_policy
+
+logger = logging.getLogger("ampkit")
+
+# verbosity -> logging level of ampkit's messages (overflows, the chosen opt level).
+# 2 is WARNING so the messages show without any logging configuration, like apex's prints.
+_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING}
+
+
+def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enabled: bool = True,
+               opt_level: str = "O1", cast_model_type: Optional[torch.dtype] = None,
+               patch_torch_functions: Optional[bool] = None,
+               keep_batchnorm_fp32: Union[bool, str, None] = None,
+               master_weights: Optional[bool] = None, loss_scale: Union[float, str, None] = None,
+               cast_model_outputs: Optional[torch.dtype] = None, num_losses: int = 1,
+               verbosity: int = 1, min_loss_scale: Optional[float] = None,
+               max_loss_scale: float = 2.0**24, *,
+               half_dtype: Union[torch.dtype, str, None] = None) -> Any:
+    """Prepare models and optimizers for an opt level, as ``apex.amp.initialize`` did.
+
+    Everything is validated before any model or optimizer changes. A later call replaces
+    this one's settings and loss scalers; a model passed again loses this call's hooks.
+
+    Args:
+        models: a module or a list of modules (not yet wrapped in DDP/DataParallel).
+        optimizers: an optimizer, a list of them, or None; each may be initialized once.
+        enabled: False returns the inputs untouched and makes scale_loss a pass-through.
+        opt_level: "O0" fp32, "O1" autocast, "O2" half model + fp32 masters, "O3" pure half.
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights,
+        loss_scale, cast_model_outputs: apex's overrides of the level's defaults.
+        num_losses: how many losses get their own loss scaler (``scale_loss(loss_id=...)``).
+        verbosity: 0 logs at DEBUG, 1 at INFO, 2 at WARNING (logger "ampkit").
+        min_loss_scale, max_loss_scale: bounds of the dynamic loss scale.
+        half_dtype: torch.float16 or torch.bfloat16 (None: the device's autocast default).
+
+    Returns:
+        ``models`` when ``optimizers`` is None, else ``(models, optimizers)``: the same
+        objects that were passed, modified in place.
+
+    Example:
+        >>> model, optimizer = initialize(model, optimizer, opt_level="O2")  # doctest: +SKIP
+    """
+    model_list = check_models(models)
+    check_optimizers(optimizers)
+    enabled = check_bool("enabled", enabled)
+    level = _check_opt_level(opt_level)
+    log_level = _LEVELS[min(check_int("verbosity", verbosity, 0), 2)]
+    device_type = device_type_of(model_list)
+    half = (autocast_default_dtype(device_type) if half_dtype is None
+            else resolve_dtype(half_dtype, allowed=HALF_DTYPES, what="half_dtype"))
+    policy = _resolve_policy(level, half, cast_model_type=cast_model_type,
+                             patch_torch_functions=patch_torch_functions,
+                             keep_batchnorm_fp32=keep_batchnorm_fp32,
+                             master_weights=master_weights, loss_scale=loss_scale,
+                             cast_model_outputs=cast_model_outputs)
+    application = plan(policy, models, optimizers if enabled else None, num_losses=num_losses,
+                       min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
+                       explicit_outputs=cast_model_outputs is not None)
+    # Nothing was modified above this line.
+    if not enabled:
+        _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
+        return models if optimizers is None else (models, optimizers)
+    _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
+                                       scalers=application.scalers, log_level=log_level,
+                                       scaling=policy.loss_scaling.kind != "none"))
+    application.apply()
+    _warn_about_bf16_o3(level, policy)
+    logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
+               level, device_type, policy, len(application.scalers))
+    return models if optimizers is None else (models, optimizers)
+
+
+def _check_opt_level(opt_level: Any) -> str:
+    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
+        return opt_level
+    hint = ""
+    if str(opt_level).strip() in ("0", "1", "2", "3"):
+        hint = f" (a digit: did you mean 'O{str(opt_level).strip()}', with the letter O?)"
+    raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid: "
+                     f"{', '.join(repr(level) for level in OPT_LEVELS)}")
+
+
+def _warn_about_bf16_o3(level: str, policy: Policy) -> None:
+    if level == "O3" and policy.param_dtype == torch.bfloat16 and not policy.master_weights:
+        warnings.warn(
+            "ampkit.initialize: opt_level O3 here trains the whole model in bfloat16 without "
+            "fp32 master weights, and bf16 keeps 8 bits of mantissa: updates smaller than about "
+            "1/256 of a weight are lost, so small-learning-rate recipes that trained under "
+            "apex's fp16 O3 can stall. Pass half_dtype=torch.float16 for apex's O3, or use "
+            "opt_level='O2' for fp32 master weights", UserWarning, stacklevel=3)
+
+
+# --- initialize: the policy and the loss scalers -------------------------------------------
+def _resolve_policy(level: str, half: torch.dtype, *, cast_model_type: Any,
+                    patch_torch_functions: Any, keep_batchnorm_fp32: Any, master_weights: Any,
+                    loss_scale: Any, cast_model_outputs: Any) -> Policy:
+    """The opt level's policy in ``half``, with apex's keyword overrides applied."""
+    policy = get_policy(level).with_half_dtype(half)
+    changes: dict[str, Any] = {}
+    if patch_torch_functions is not None:
+        changes["autocast"] = check_bool("patch_torch_functions", patch_torch_functions)
+    if cast_model_type is not None:
+        changes["param_dtype"] = resolve_dtype(cast_model_type, allowed=FLOAT_DTYPES,
+                                               what="cast_model_type")
+    use_autocast = changes.get("autocast", policy.autocast)
+    param_dtype = changes.get("param_dtype", policy.param_dtype)
+    if changes:  # autocast or param_dtype changed: compute is autocast's, else the params'
+        changes["compute_dtype"] = half if use_autocast else param_dtype
+    if master_weights is not None:
+        changes["master_weights"] = check_bool("master_weights", master_weights)
+    elif param_dtype not in HALF_DTYPES:
+        changes["master_weights"] = False  # fp32 params are their own masters
+    if keep_batchnorm_fp32 is not None:
+        changes["keep_batchnorm_fp32"] = check_bool("keep_batchnorm_fp32", keep_batchnorm_fp32,
+                                                     strings=True)
+    if loss_scale is not None:
+        changes["loss_scale"] = _numeric_string(loss_scale)
+    if cast_model_outputs is not None:
+        changes["output_dtype"] = resolve_dtype(cast_model_outputs, allowed=FLOAT_DTYPES,
+                                                what="cast_model_outputs")
+    return policy.replace(**changes) if changes else policy
+
+
+def _numeric_string(loss_scale: Any) -> Any:
+    """apex accepted loss_scale from argparse, e.g. "128.0"; anything else goes to Policy."""
+    if isinstance(loss_scale, str) and loss_scale != "dynamic":
+        try:
+            return float(loss_scale)
+        except ValueError:
+            pass
+    return loss_scale

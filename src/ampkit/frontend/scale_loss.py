@@ -1,0 +1,290 @@
+"""``scale_loss``: apex's loss-scaling context manager, and its overflow handling."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import _state
+from .._checks import as_list, check_bool
+from ..apply import OptimizerArg
+from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
+from ..scaler import GradScaler, check_floor, unscale_grads_
+
+logger = logging.getLogger("ampkit")
+
+@contextlib.contextmanager
+def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
+               model: Optional[nn.Module] = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False) -> Iterator[Tensor]:
+    """Yield ``loss.float() * scale``; on exit unscale the grads and check for overflow.
+
+    On exit (unless ``delay_unscale``): each optimizer's gradients are unscaled (under O2
+    the model's half gradients are moved into the fp32 masters as they are unscaled) and
+    checked for inf/NaN, loss scaler ``loss_id`` is updated and, after an overflow, the
+    next ``step()`` of exactly these optimizers does nothing (their params, masters and
+    state stay as they are; their grads are dropped). Several scale_loss calls before one
+    step accumulate: each unscales its own backward's grads. Gradients that reach another
+    model's parameters in this backward stay there, untouched, until that model's
+    ``zero_grad()`` (a GAN's generator loss through the discriminator), as in fp32.
+
+    If the body raises, every gradient these optimizers' parameters received in it is
+    dropped (the ones they held before are put back), so no scaled gradient is ever
+    stepped.
+
+    Host syncs: none when every optimizer is fused (``fused=True`` Adam/AdamW/SGD: the
+    overflow flag stays on the device and the fused kernel skips the update, as with
+    torch's GradScaler); otherwise one per call with a dynamic scale (reading the overflow
+    flag, as apex did); none with a fixed scale or ``delay_overflow_check``. A skipped
+    fused step keeps its (inf/NaN) grads until the next ``zero_grad``.
+
+    Args:
+        loss: the loss tensor (any dtype; the scaled loss is fp32).
+        optimizers: the optimizer(s) returned by ``initialize`` that this backward feeds.
+        loss_id: which loss scaler, in ``range(num_losses)``.
+        model: unused, as in apex.
+        delay_unscale: leave the grads scaled (accumulation; a later call unscales them).
+        delay_overflow_check: unscale, but neither check for overflow nor update the
+            scale (no host sync; the caller takes charge, as in apex).
+
+    Example:
+        >>> with scale_loss(loss, optimizer) as scaled_loss:  # doctest: +SKIP
+        ...     scaled_loss.backward()
+        >>> optimizer.step()  # doctest: +SKIP
+    """
+    amp = require_initialized()
+    if not amp.enabled:
+        yield loss
+        return
+    opts = _check_scale_loss(loss, optimizers, loss_id, amp)
+    if amp.overflow_notes:
+        _report_overflows(amp)
+    delay_unscale = check_bool("delay_unscale", delay_unscale)
+    delay_overflow_check = check_bool("delay_overflow_check", delay_overflow_check)
+    scaling = amp.scaling
+    scaler = amp.scalers[loss_id]
+    scaled = scaler.scale(loss.float()) if scaling else loss.float()
+    held = [_set_aside(opt) for opt in opts]
+    try:
+        yield scaled
+    except BaseException:
+        for entry in held:
+            entry.restore()
+        raise
+    if not scaling:  # a fixed scale of 1.0: nothing to unscale or check
+        for opt, entry in zip(opts, held):
+            _take_grads(opt, entry, None, None, delay=True)
+        return
+    inv_scale = scaler.inverse_scale()
+    found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    for opt, entry in zip(opts, held):
+        _take_grads(opt, entry, inv_scale, found_inf, delay=delay_unscale)
+    if delay_unscale:
+        for opt in opts:  # checked with the call that does not delay
+            _stash(opt).pending_found_inf = _or_flag(_stash(opt).pending_found_inf, found_inf)
+        return
+    for opt in opts:
+        stash = _stash(opt)
+        if stash.pending_found_inf is not None:
+            found_inf.add_(stash.pending_found_inf.to(found_inf.device))
+            stash.pending_found_inf = None
+    if amp.dynamic and not delay_overflow_check:
+        _update(amp, scaler, found_inf, opts, loss_id)
+
+
+@dataclass(eq=False)
+class _Held:
+    """The grads an optimizer's params held before a scale_loss body, set aside.
+
+    Backward then writes only the body's own gradients, so they can be unscaled apart
+    from grads an earlier scale_loss already unscaled, or dropped if the body raises.
+    ``own``: the params the optimizer steps itself (their ``.grad``); ``half``: the half
+    model params behind its fp32 masters (their grads are always still scaled). Only the
+    (param, grad) pairs whose grad was set are kept: after a zero_grad there are none.
+    """
+
+    own: list[Tensor]
+    half: list[Tensor]
+    own_grads: list[tuple[Tensor, Tensor]]
+    half_grads: list[tuple[Tensor, Tensor]]
+    own_unscaled: bool
+
+    def restore(self) -> None:
+        for param in self.own + self.half:
+            param.grad = None
+        for param, grad in self.own_grads + self.half_grads:
+            param.grad = grad
+
+    @torch.no_grad()
+    def add_back(self, *, own: bool, half: bool) -> None:
+        pairs = (self.own_grads if own else []) + (self.half_grads if half else [])
+        if not pairs:
+            return
+        summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
+        if summed:
+            torch._foreach_add_([g for g, _ in summed], [old for _, old in summed])
+        for param, old in pairs:
+            if param.grad is None:
+                param.grad = old
+        if own:
+            self.own_grads = []
+        if half:
+            self.half_grads = []
+
+
+def _set_aside(optimizer: torch.optim.Optimizer) -> _Held:
+    stash = _stash(optimizer)
+    own = own_params(optimizer)
+    half = [] if stash.masters is None else stash.masters.model_params
+    held = _Held(own, half, [(p, p.grad) for p in own if p.grad is not None],
+                 [(p, p.grad) for p in half if p.grad is not None], stash.grads_unscaled)
+    for param, _ in held.own_grads + held.half_grads:
+        param.grad = None
+    return held
+
+
+def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Optional[Tensor],
+                found_inf: Optional[Tensor], delay: bool) -> None:
+    """After the body: unscale what its backward produced for ``optimizer`` (unless
+    ``delay``), move the model's half grads into the fp32 masters, add back what was held.
+
+    The half grads move on every exit, delayed or not, so micro-batches accumulate in fp32
+    in the masters; a delayed exit unscales them too (exact: a power-of-two multiply) and
+    its inf check is carried to the exit that does not delay. The optimizer's own (fp32)
+    grads stay scaled until that exit, as in apex.
+    """
+    stash = _stash(optimizer)
+    # Held grads still scaled join the new ones before the unscale; grads an earlier exit
+    # unscaled join after it.
+    held.add_back(own=delay or not held.own_unscaled, half=True)
+    own = [] if delay else [p.grad for p in held.own if p.grad is not None]
+    unscale: Optional[Callable[[list[Tensor]], None]] = None
+    if inv_scale is not None and found_inf is not None:
+        unscale = functools.partial(_unscale_grads, own, inv_scale, found_inf)
+    if stash.masters is not None:
+        stash.masters.move_grads(unscale)
+    elif unscale is not None:
+        unscale([])
+    held.add_back(own=True, half=False)
+    if not delay:
+        stash.grads_unscaled = True
+
+
+def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
+    """Several overflow flags as one (any overflow counts)."""
+    flag = flag.detach().reshape(())
+    return flag if held is None else torch.maximum(held, flag.to(held.device))
+
+
+def _unscale_grads(own: list[Tensor], inv_scale: Tensor, found_inf: Tensor,
+                   new_master_grads: list[Tensor]) -> None:
+    """Unscale the optimizer's own grads and the masters' new ones in one call."""
+    grads = own + new_master_grads
+    if grads:
+        unscale_grads_(grads, inv_scale, found_inf)
+
+
+def _stash(optimizer: torch.optim.Optimizer) -> AmpStash:
+    stash = stash_of(optimizer)
+    assert stash is not None  # _check_scale_loss let only prepared optimizers through
+    return stash
+
+
+def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
+            optimizers: list[torch.optim.Optimizer], loss_id: int) -> None:
+    scaler.update_from(found_inf)
+    names = ", ".join(type(opt).__name__ for opt in optimizers)
+    if all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
+        # Fused optimizers skip on the device: no host sync here, whatever the log level.
+        # A listening logger gets the overflow later, from a copy already on the host.
+        for optimizer in optimizers:
+            stash = _stash(optimizer)
+            stash.found_inf = _or_flag(stash.found_inf, found_inf)
+        if logger.isEnabledFor(amp.log_level):
+            amp.overflow_notes.append(_OverflowNote.start(found_inf, names, loss_id))
+        return
+    # The one host sync of scale_loss with plain optimizers (apex had it too): Python
+    # must know now whether the next optimizer.step() runs. A listening logger's copy of
+    # the new scale is queued before it, so that sync brings it to the host as well.
+    listening = logger.isEnabledFor(amp.log_level)
+    scale = scaler.scale_tensor()
+    new_scale = scale.to("cpu", non_blocking=True, copy=True) if listening and scale is not None else None
+    overflow = bool(found_inf.item())
+    check_floor(scaler, overflow)
+    if not overflow:
+        return
+    for optimizer in optimizers:
+        _stash(optimizer).skip_next = True
+    if new_scale is not None:
+        new_scale._ampkit_host_copy = True  # type: ignore[attr-defined]
+        logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
+                   "scaler %d now at %g", names, loss_id, new_scale.item())
+
+
+@dataclass(eq=False)
+class _OverflowNote:
+    """A fused step's overflow flag on its way to the host, logged once it has arrived."""
+
+    flag: Tensor
+    event: Any
+    names: str
+    loss_id: int
+
+    @classmethod
+    def start(cls, found_inf: Tensor, names: str, loss_id: int) -> "_OverflowNote":
+        flag = found_inf.detach().to("cpu", non_blocking=True, copy=True)
+        flag._ampkit_host_copy = True  # type: ignore[attr-defined]  # read without a sync
+        event = None
+        if found_inf.device.type != "cpu":
+            event = torch.Event(device=found_inf.device)
+            event.record()
+        return cls(flag, event, names, loss_id)
+
+    def arrived(self) -> bool:
+        return self.event is None or self.event.query()
+
+
+def _report_overflows(amp: _state.ActiveAmp) -> None:
+    """Log the fused overflows whose flags have reached the host (no waiting on the device)."""
+    waiting = []
+    for note in amp.overflow_notes:
+        if not note.arrived():
+            waiting.append(note)
+        elif note.flag.item():  # a host tensor: no device sync
+            logger.log(amp.log_level, "Gradient overflow: the step of %s was skipped on the "
+                       "device; loss scaler %d backed off", note.names, note.loss_id)
+    amp.overflow_notes = waiting
+
+
+def require_initialized() -> _state.ActiveAmp:
+    """The active initialize (RuntimeError when there is none)."""
+    amp = _state.get_active()
+    if amp is None:
+        raise RuntimeError("ampkit.initialize has not been called: call model, optimizer = "
+                           "amp.initialize(model, optimizer, opt_level=...) first")
+    return amp
+
+
+def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any,
+                      amp: _state.ActiveAmp) -> list[torch.optim.Optimizer]:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__} {loss!r}")
+    opts = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+    for i, opt in enumerate(opts):
+        if is_orphan(opt):
+            raise RuntimeError(f"optimizers[{i}]: " + ORPHAN_MESSAGE.format(name=type(opt).__name__))
+        if stash_of(opt) is None:
+            raise RuntimeError(f"optimizers[{i}] ({type(opt).__name__}) was not passed through "
+                               "ampkit.initialize; valid: the optimizer(s) initialize returned")
+    count = len(amp.scalers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < count:
+        raise ValueError(f"loss_id={loss_id!r} is out of range; valid: 0..{count - 1} "
+                         f"(initialize had num_losses={count})")
+    return opts

@@ -1,0 +1,142 @@
+"""``master_params``, the amp state dict, and apex's ``_amp_state`` for apex clients."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _state
+from .._checks import check_int, check_positive
+from ..scaler import GradScaler
+from .scale_loss import require_initialized
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """The parameters the optimizer steps: the fp32 masters under O2, else the params.
+
+    Example:
+        >>> torch.nn.utils.clip_grad_norm_(master_params(optimizer), 1.0)  # doctest: +SKIP
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"master_params takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__} {optimizer!r}")
+    return iter([p for group in optimizer.param_groups for p in group["params"]])
+
+
+def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
+    """The loss scalers' state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
+
+    Exactly apex's format: ``loss_scale`` and ``unskipped`` (clean steps since the scale
+    last changed, the growth tracker) are the whole of a loss scaler's evolving state, so
+    a resumed run continues bitwise; the settings come from ``initialize``. Empty when not
+    initialized or disabled. Syncs with the device.
+
+    Example:
+        >>> torch.save({"amp": state_dict()}, "ckpt.pt")  # doctest: +SKIP
+    """
+    result: dict[str, dict[str, Any]] = {} if destination is None else destination
+    amp = _state.get_active()
+    if amp is None or not amp.enabled:
+        return result
+    for i, scaler in enumerate(amp.scalers):
+        full = scaler.state_dict()
+        result[f"loss_scaler{i}"] = {"loss_scale": float(full["scale"]),
+                                     "unskipped": int(full["_growth_tracker"])}
+    return result
+
+
+def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
+    """Restore the loss scalers from :func:`state_dict` or an apex.amp checkpoint.
+
+    Example:
+        >>> load_state_dict(torch.load("ckpt.pt")["amp"])  # doctest: +SKIP
+    """
+    if _state.get_active() is None and isinstance(state, dict) and not state:
+        return  # what state_dict() gives without initialize: nothing to restore
+    amp = require_initialized()
+    if not amp.enabled:
+        return
+    expected = [f"loss_scaler{i}" for i in range(len(amp.scalers))]
+    if not isinstance(state, dict):
+        raise TypeError(f"amp state_dict must be a dict such as ampkit.state_dict() returns, got "
+                        f"{type(state).__name__} {state!r}; valid: a dict with keys {expected}")
+    if sorted(state) != sorted(expected):
+        raise ValueError(f"amp state_dict has keys {sorted(state)}; valid: exactly {expected} "
+                         f"(num_losses={len(amp.scalers)} in initialize)")
+    full = [_scaler_state(key, state[key], scaler) for key, scaler in zip(expected, amp.scalers)]
+    for scaler, entry in zip(amp.scalers, full):
+        scaler.check_state_dict(entry)  # validates: every entry before any scaler changes
+    for scaler, entry in zip(amp.scalers, full):
+        scaler.load_state_dict(entry)
+
+
+def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
+    if not (isinstance(entry, dict) and "loss_scale" in entry and "unskipped" in entry):
+        raise ValueError(f"amp state_dict[{key!r}] is {entry!r}; valid: a dict with 'loss_scale' "
+                         "and 'unskipped'")
+    # The scale and the clean-step count; settings (bounds, interval) stay this scaler's.
+    return {"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"],
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval()}
+
+
+# --- apex's private attributes that public apex clients use -----------------------------
+class _LossScaler:
+    """apex's ``LossScaler`` as training scripts use it, over one of ampkit's loss scalers.
+
+    ``loss_scale()`` and ``_loss_scale`` read the current scale, ``_unskipped`` the clean
+    steps since it last changed; writing either sets the scaler (the next ``scale_loss``
+    uses the new scale). Each read or write syncs with the device.
+    """
+
+    def __init__(self, amp: _state.ActiveAmp, scaler: GradScaler) -> None:
+        self._amp = amp
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.get_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.get_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        scale = check_positive("_loss_scale", value)
+        self._set(scale=scale)
+        if scale != 1.0:
+            self._amp.scaling = True  # a fixed 1.0 becomes a real scale: scale_loss applies it
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self._scaler.state_dict()["_growth_tracker"])
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._set(_growth_tracker=check_int("_unskipped", value, 0))
+
+    def _set(self, **entries: Any) -> None:
+        state = self._scaler.state_dict()
+        state.update(entries)
+        self._scaler.load_state_dict(state)
+
+
+class _AmpStateView:
+    """``ampkit._amp_state``: apex's process-wide state, the parts apex clients read.
+
+    ``loss_scalers[i]`` follows the active ``initialize`` (empty before it or when it was
+    disabled), so a script that writes ``_amp_state.loss_scalers[0]._loss_scale`` after
+    initialize sets the scale its next ``scale_loss`` uses.
+    """
+
+    @property
+    def loss_scalers(self) -> list[_LossScaler]:
+        amp = _state.get_active()
+        if amp is None or not amp.enabled:
+            return []
+        return [_LossScaler(amp, scaler) for scaler in amp.scalers]
+
+
+_amp_state = _AmpStateView()
