@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 import warnings
 import weakref
 from collections import abc, defaultdict
@@ -36,32 +35,21 @@ from torch import Tensor
 # torch's own enum objects, so code that inspects ``_per_optimizer_states`` stages keeps working.
 from torch.amp.grad_scaler import OptState
 
-from ._dtypes import check_device_type
-from ._state import inferred_device_type
+from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _backoff_factor,
+                           _bounds, _check_group, _count, _device_type, _enabled, _growth_factor,
+                           _in_range)
+from ._unscale import fold_into, unscale_grads_, unscale_per_device
 from .optim import master_weights_of
 
 __all__ = ["GradScaler", "ScalerStats", "OptState", "unscale_grads_", "check_floor",
            "FP16_GRAD_MIN_SCALE"]
 
-# Bounds of the scale when none are given. Below the smallest normal float32 the fp32
-# reciprocal 1/scale overflows to inf (1/2**-127 > float32 max), so unscaling would
-# turn every gradient into inf or NaN; above float32's max the scale itself is inf.
-_F32_TINY = torch.finfo(torch.float32).tiny
-_F32_MAX = torch.finfo(torch.float32).max
 # The floor when the gradients the scaler sees come from fp16 parameters (O2/O3 in fp16)
 # and no min_scale was given: below 1 the scaler can only flush more fp16 gradients to
 # zero (at float32's floor all of them), so steps would be taken with zero gradients
 # instead of skipped. DeepSpeed and Megatron-LM use the same floor.
 FP16_GRAD_MIN_SCALE = 1.0
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-class _ArgumentError(ValueError, AssertionError):
-    """A bad argument: a ValueError, and also the AssertionError torch raises there."""
-
-
-class _StateError(RuntimeError, AssertionError):
-    """A call out of order: a RuntimeError, and also the AssertionError torch raises there."""
 
 
 @dataclass(frozen=True)
@@ -81,63 +69,6 @@ class ScalerStats:
     steps: int
     skipped_steps: int
     consecutive_skips: int
-
-
-# --- argument checks ----------------------------------------------------------------------
-def _real(name: str, value: Any, valid: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number in {valid}, got "
-                        f"{type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _in_range(name: str, value: Any, low: float, high: float, *,
-              low_open: bool, high_open: bool = False) -> float:
-    valid = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    number = _real(name, value, valid)
-    too_low = number <= low if low_open else number < low
-    too_high = number >= high if high_open else number > high
-    if math.isnan(number) or too_low or too_high:
-        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: {valid}")
-    return number
-
-
-def _count(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers >= {low}")
-    return int(value)
-
-
-def _growth_factor(value: Any) -> float:
-    return _in_range("growth_factor", value, 1.0, math.inf, low_open=True, high_open=True)
-
-
-def _backoff_factor(value: Any) -> float:
-    return _in_range("backoff_factor", value, 0.0, 1.0, low_open=True, high_open=True)
-
-
-def _bound(name: str, value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    return _in_range(name, value, _F32_TINY, _F32_MAX, low_open=False)
-
-
-def _bounds(min_scale: Any, max_scale: Any) -> tuple[Optional[float], Optional[float]]:
-    low, high = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
-    if low is not None and high is not None and low > high:
-        raise ValueError(f"min_scale={min_scale!r} is greater than max_scale={max_scale!r}; "
-                         f"valid: min_scale <= max_scale")
-    return low, high
-
-
-def _enabled(value: Any) -> bool:
-    """A bool (or the ints 0/1 that argparse flags give); never a string like "False"."""
-    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
-        return bool(value)
-    raise TypeError(f"enabled must be a bool, got {type(value).__name__} {value!r}; "
-                    "valid: True, False")
 
 
 # Overflowing steps in a row, as seen on the host, after which the scale is read to see
@@ -162,104 +93,6 @@ def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
             f"scale is at its floor ({low:g}), so every step is skipped: the gradients are not "
             "finite whatever the scale (check the loss and the inputs, lower the learning "
             "rate, or train in bf16)", RuntimeWarning, stacklevel=3)
-
-
-def _check_group(group: Any) -> Any:
-    """None or a torch.distributed ProcessGroup (checked now, not at the first collective)."""
-    if group is None:
-        return None
-    dist = torch.distributed
-    if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        return group
-    raise TypeError(f"process_group={group!r} is not a torch.distributed ProcessGroup; valid: "
-                    "None, or a group such as torch.distributed.group.WORLD or the result of "
-                    "torch.distributed.new_group()")
-
-
-def _infer_device() -> str:
-    """The device type used when none is given: the active initialize's, else cuda/cpu."""
-    return inferred_device_type()
-
-
-def _device_type(device: Any) -> str:
-    if device is None:
-        return _infer_device()
-    if isinstance(device, torch.device):
-        return device.type
-    return check_device_type(device)
-
-
-# --- the fused unscale, shared with ampkit.frontend ---------------------------------------
-def _dense_values(grad: Tensor) -> Tensor:
-    """The tensor to unscale for a gradient: its values when sparse."""
-    if not grad.is_sparse:
-        return grad
-    if grad.dtype is torch.float16 and not grad.is_coalesced():
-        # Duplicate indices are summed when the grad is used; summing them while still
-        # scaled can overflow fp16, so coalesce first (in place: param.grad stays this tensor).
-        grad.copy_(grad.coalesce())
-    return grad._values()
-
-
-def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-    except NotImplementedError:
-        # A sparse grad in the list sends the whole call to the sparse backend, which has
-        # no kernel; the dispatch fails before any tensor is touched, so retry on values.
-        if not any(g.is_sparse for g in grads):
-            raise
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [_dense_values(g) for g in grads], found_inf, inv_scale)
-
-
-def _unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
-                        found_inf: Tensor) -> dict[torch.device, Tensor]:
-    """Check and unscale ``grads`` in place; return the found-inf flag of each device."""
-    found_per_device: dict[torch.device, Tensor] = {}
-    inv_per_device: dict[torch.device, Tensor] = {}
-    if not grads:
-        return found_per_device
-    # Grouped in C++ (one pass, no Python work per gradient); one kernel per (device, dtype).
-    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
-    with torch.no_grad():
-        for (device, _dtype), ((group, *_), _indices) in groups.items():
-            if device not in found_per_device:
-                found_per_device[device] = (found_inf if device == found_inf.device
-                                            else torch.zeros((), dtype=torch.float32, device=device))
-                inv_per_device[device] = inv_scale.to(device, non_blocking=True)
-            _check_and_unscale(group, found_per_device[device], inv_per_device[device])
-    return found_per_device
-
-
-def _fold_into(found_inf: Tensor, found_per_device: dict[torch.device, Tensor]) -> None:
-    for found in found_per_device.values():
-        if found is not found_inf:
-            # A device-to-device copy is async; a copy to the CPU must complete first.
-            found_inf.add_(found.to(found_inf.device, non_blocking=found_inf.device.type != "cpu"))
-
-
-def unscale_grads_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
-    """Multiply gradients by ``inv_scale`` in place and flag any inf/NaN in ``found_inf``.
-
-    Shared with ``ampkit.frontend``. One fused kernel per (device, dtype) group; fp32,
-    fp16 and bf16 gradients alike (half gradients are multiplied in fp32 and rounded
-    back, so tiny values can flush to zero). Sparse gradients have their values unscaled.
-    No host sync.
-
-    Args:
-        grads: gradients on any devices and floating dtypes.
-        inv_scale: 1-element float32 tensor, e.g. ``scaler._inverse_scale()``.
-        found_inf: 1-element float32 tensor (on the scale's device); it is set non-zero if
-            any gradient holds an inf or NaN and is never reset, so it accumulates.
-
-    Example::
-
-        found_inf = torch.zeros((), device=scaler._scale.device)
-        unscale_grads_([p.grad for p in params], scaler._inverse_scale(), found_inf)
-        scaler._apply_update(found_inf)
-    """
-    _fold_into(found_inf, _unscale_per_device(grads, inv_scale, found_inf))
 
 
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -363,7 +196,7 @@ class GradScaler:
                    hysteresis: Any, process_group: Any, check_device: bool = True) -> None:
         """Validate the settings (everything, before any is kept) and keep them."""
         device_type = _device_type(device) if check_device or device is None else device
-        init = _in_range("init_scale", init_scale, 0.0, _F32_MAX, low_open=True)
+        init = _in_range("init_scale", init_scale, 0.0, F32_MAX, low_open=True)
         growth, backoff = _growth_factor(growth_factor), _backoff_factor(backoff_factor)
         interval = _count("growth_interval", growth_interval, 1)
         hyst = _count("hysteresis", hysteresis, 1)
@@ -380,8 +213,8 @@ class GradScaler:
     def _scale_bounds(self) -> tuple[float, float]:
         low = self._min_scale
         if low is None:
-            low = FP16_GRAD_MIN_SCALE if self._fp16_grads else _F32_TINY
-        return low, _F32_MAX if self._max_scale is None else self._max_scale
+            low = FP16_GRAD_MIN_SCALE if self._fp16_grads else F32_TINY
+        return low, F32_MAX if self._max_scale is None else self._max_scale
 
     def _clamp(self, scale: float) -> float:
         low, high = self._scale_bounds()
@@ -501,8 +334,8 @@ class GradScaler:
         scale = self._scale
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         grads = self._grads_to_unscale(optimizer)
-        per_device = _unscale_per_device(grads, inv_scale, found_inf)
-        _fold_into(found_inf, per_device)
+        per_device = unscale_per_device(grads, inv_scale, found_inf)
+        fold_into(found_inf, per_device)
         self._sync_found_inf(found_inf)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = per_device
@@ -542,7 +375,7 @@ class GradScaler:
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
                         found_inf: Tensor, allow_fp16: bool = True) -> dict[torch.device, Tensor]:
         """torch's private hook, kept for subclasses; fp16 is accepted whatever ``allow_fp16``."""
-        return _unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
+        return unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and call ``optimizer.step`` if no inf/NaN was found.
@@ -739,7 +572,7 @@ class GradScaler:
             # A NaN would poison every later step: keep the current scale instead.
             scale.copy_(torch.where(torch.isnan(value), scale, value))
         else:
-            scale.fill_(_in_range("new_scale", new_scale, 0.0, _F32_MAX, low_open=True))
+            scale.fill_(_in_range("new_scale", new_scale, 0.0, F32_MAX, low_open=True))
         scale.clamp_(*self._scale_bounds())
 
     # --- getters and setters --------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The device-side unscale: gradients multiplied by 1/scale in place, inf/NaN flagged.
+
+One fused kernel (torch's ``_amp_foreach_non_finite_check_and_unscale_``) per
+(device, dtype) group, grouped in C++; fp32, fp16 and bf16 gradients alike; sparse
+gradients have their values unscaled. Used by ``GradScaler`` and ``scale_loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["unscale_grads_", "unscale_per_device", "fold_into"]
+
+
+def _dense_values(grad: Tensor) -> Tensor:
+    """The tensor to unscale for a gradient: its values when sparse."""
+    if not grad.is_sparse:
+        return grad
+    if grad.dtype is torch.float16 and not grad.is_coalesced():
+        # Duplicate indices are summed when the grad is used; summing them while still
+        # scaled can overflow fp16, so coalesce first (in place: param.grad stays this tensor).
+        grad.copy_(grad.coalesce())
+    return grad._values()
+
+
+def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    except NotImplementedError:
+        # A sparse grad in the list sends the whole call to the sparse backend, which has
+        # no kernel; the dispatch fails before any tensor is touched, so retry on values.
+        if not any(g.is_sparse for g in grads):
+            raise
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [_dense_values(g) for g in grads], found_inf, inv_scale)
+
+
+def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
+                        found_inf: Tensor) -> dict[torch.device, Tensor]:
+    """Check and unscale ``grads`` in place; return the found-inf flag of each device."""
+    found_per_device: dict[torch.device, Tensor] = {}
+    inv_per_device: dict[torch.device, Tensor] = {}
+    if not grads:
+        return found_per_device
+    # Grouped in C++ (one pass, no Python work per gradient); one kernel per (device, dtype).
+    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    with torch.no_grad():
+        for (device, _dtype), ((group, *_), _indices) in groups.items():
+            if device not in found_per_device:
+                found_per_device[device] = (found_inf if device == found_inf.device
+                                            else torch.zeros((), dtype=torch.float32, device=device))
+                inv_per_device[device] = inv_scale.to(device, non_blocking=True)
+            _check_and_unscale(group, found_per_device[device], inv_per_device[device])
+    return found_per_device
+
+
+def fold_into(found_inf: Tensor, found_per_device: dict[torch.device, Tensor]) -> None:
+    for found in found_per_device.values():
+        if found is not found_inf:
+            # A device-to-device copy is async; a copy to the CPU must complete first.
+            found_inf.add_(found.to(found_inf.device, non_blocking=found_inf.device.type != "cpu"))
+
+
+def unscale_grads_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    """Multiply gradients by ``inv_scale`` in place and flag any inf/NaN in ``found_inf``.
+
+    Shared with ``ampkit.frontend``. One fused kernel per (device, dtype) group; fp32,
+    fp16 and bf16 gradients alike (half gradients are multiplied in fp32 and rounded
+    back, so tiny values can flush to zero). Sparse gradients have their values unscaled.
+    No host sync.
+
+    Args:
+        grads: gradients on any devices and floating dtypes.
+        inv_scale: 1-element float32 tensor, e.g. ``scaler._inverse_scale()``.
+        found_inf: 1-element float32 tensor (on the scale's device); it is set non-zero if
+            any gradient holds an inf or NaN and is never reset, so it accumulates.
+
+    Example::
+
+        found_inf = torch.zeros((), device=scaler._scale.device)
+        unscale_grads_([p.grad for p in params], scaler._inverse_scale(), found_inf)
+        scaler._apply_update(found_inf)
+    """
+    fold_into(found_inf, unscale_per_device(grads, inv_scale, found_inf))
+
+
