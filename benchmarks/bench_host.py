@@ -67,32 +67,21 @@ def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, **{kind: True})
 
 
-def torch_amp(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
-    opt = _optimizer(model, kind)
-    scaler = torch.amp.GradScaler("cpu")
+def _torch_style(autocast: Any, scaler_cls: Any) -> Callable[[nn.Module, torch.Tensor, str], Step]:
+    """torch.amp's loop with the given autocast and GradScaler classes."""
+    def build(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
+        opt = _optimizer(model, kind)
+        scaler = scaler_cls("cpu")
 
-    def step() -> None:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=BF16):
-            loss = model(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    return step
-
-
-def ampkit_torch_style(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
-    opt = _optimizer(model, kind)
-    scaler = ampkit.GradScaler("cpu")
-
-    def step() -> None:
-        opt.zero_grad()
-        with ampkit.autocast("cpu", dtype=BF16):
-            loss = model(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    return step
+        def step() -> None:
+            opt.zero_grad()
+            with autocast("cpu", dtype=BF16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return step
+    return build
 
 
 def _apex_style(level: str) -> Callable[[nn.Module, torch.Tensor, str], Step]:
@@ -113,7 +102,8 @@ def _apex_style(level: str) -> Callable[[nn.Module, torch.Tensor, str], Step]:
     return build
 
 
-PATHS = {"torch.amp": torch_amp, "ampkit torch-style": ampkit_torch_style,
+PATHS = {"torch.amp": _torch_style(torch.autocast, torch.amp.GradScaler),
+         "ampkit torch-style": _torch_style(ampkit.autocast, ampkit.GradScaler),
          "ampkit O1": _apex_style("O1"), "ampkit O2": _apex_style("O2")}
 
 
