@@ -14,7 +14,8 @@ from . import fp8
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .frontend import _amp_state  # noqa: F401 - apex's private attribute, read by apex clients
 
-# Policies
+# Policies and per-module precision
+from .keep import keep_fp32
 from .policy import Policy, get_policy
 
 # Torch-style: gradient scaling
@@ -37,6 +38,7 @@ __all__ = [
     # policies
     "Policy",
     "get_policy",
+    "keep_fp32",
     # torch-style
     "autocast",
     "GradScaler",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -79,6 +79,18 @@ def cast_tree(obj: Any, dtype: torch.dtype,
         cast = {k: cast_tree(v, dtype, sources) for k, v in obj.items()}
         return cast if type(obj) is dict else _rebuild_mapping(obj, cast)
     return obj
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` (nested lists, tuples, dicts), in order: the one walker."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
 
 
 def _rebuild_mapping(original: dict, cast: dict) -> dict:

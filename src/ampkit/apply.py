@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ._checks import as_list, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
 from .autocast import autocast
+from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, master_of, release_masters
 from .optim import stash_of, wrap
@@ -42,6 +43,8 @@ class Plan:
         scalers: one loss scaler per loss, as the policy's loss scaling says.
         explicit_outputs: floating outputs are cast to ``policy.output_dtype`` even where
             the policy alone would not cast them (apex's ``cast_model_outputs``).
+        keep_fp32: per model, the module names ``keep_fp32`` selected (None: leave each
+            model's own earlier ``ampkit.keep_fp32`` selection as it is).
     """
 
     policy: Policy
@@ -50,6 +53,7 @@ class Plan:
     device_type: str
     scalers: list[GradScaler]
     explicit_outputs: bool = False
+    keep_fp32: Optional[list[list[str]]] = None
 
     def apply(self) -> "Plan":
         """Convert the models and prepare the optimizers; returns self."""
@@ -59,8 +63,13 @@ class Plan:
 
 def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[OptimizerArg] = None,
          *, num_losses: int = 1, min_loss_scale: Optional[float] = None,
-         max_loss_scale: Optional[float] = 2.0**24, explicit_outputs: bool = False) -> Plan:
-    """Validate an application of ``policy`` and decide its loss scalers; changes nothing."""
+         max_loss_scale: Optional[float] = 2.0**24, explicit_outputs: bool = False,
+         keep_fp32: Optional[keep.Modules] = None) -> Plan:
+    """Validate an application of ``policy`` and decide its loss scalers; changes nothing.
+
+    ``keep_fp32``: modules to run in fp32 (see :func:`ampkit.keep_fp32`), selected in
+    every model; a name or pattern must match a module in at least one of them.
+    """
     policy = get_policy(policy)
     model_list = check_models(models)
     opt_list = check_optimizers(optimizers)
@@ -68,7 +77,17 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
     device_type = device_type_of(model_list)
     scalers = make_scalers(policy, count, device_type, min_loss_scale, max_loss_scale)
     check_params(model_list, opt_list, policy)
-    return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs)
+    kept = None if keep_fp32 is None else _select_kept(model_list, keep_fp32)
+    return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept)
+
+
+def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[str]]:
+    """Each model's selection; a name or pattern must match in one model at least."""
+    for selector in keep.as_selectors(modules):
+        if isinstance(selector, str) and not any(
+                keep.select(model, selector, strict=False) for model in models):
+            keep.select(models[0], selector)  # raises, naming the pattern and real names
+    return [keep.select(model, modules, strict=False) for model in models]
 
 
 def apply_policy(policy: Union[Policy, str], models: ModelArg,
@@ -203,15 +222,19 @@ def _apply(p: Plan) -> None:
     earlier = {id(param): m for param in params if (m := master_of(param)) is not None}
     release_masters(params)
     casts = _forward_casts(policy, p.device_type, p.explicit_outputs)
-    keep_fp32 = BATCHNORM_TYPES if policy.keep_batchnorm_fp32 else ()
+    keep_types = BATCHNORM_TYPES if policy.keep_batchnorm_fp32 else ()
     for model in p.models:
         if conversion_of(model) is not None:
             _restore_fp32(model, earlier)
+    if p.keep_fp32 is not None:
+        for model, names in zip(p.models, p.keep_fp32):
+            keep.install(model, names)
     # The fp32 values before the cast (references to their storage, no copies): the new
     # masters start from them, not from the half values rounded from them.
     fp32_values = {id(param): param.data for param in params if param.dtype == torch.float32}
     for model in p.models:
-        convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_fp32, casts=casts)
+        convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_types,
+                      keep_modules=keep.kept_modules(model), casts=casts)
     for optimizer in p.optimizers:
         masters = wrap(optimizer, master_weights=policy.master_weights).masters
         if masters is not None:

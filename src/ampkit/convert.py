@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Collection, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,8 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, *,
-               keep_fp32: tuple[type[nn.Module], ...] = BATCHNORM_TYPES) -> nn.Module:
+               keep_fp32: tuple[type[nn.Module], ...] = BATCHNORM_TYPES,
+               keep_modules: Collection[nn.Module] = ()) -> nn.Module:
     """Cast floating parameters, gradients and buffers to ``dtype`` in place.
 
     Parameters keep their identity (an optimizer built on them still holds them).
@@ -54,6 +55,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, *,
         model: the module to cast.
         dtype: the target floating dtype.
         keep_fp32: modules of these types keep their own parameters and buffers in fp32.
+        keep_modules: these modules (``ampkit.keep_fp32``'s) keep theirs in fp32 too.
 
     Returns:
         ``model``.
@@ -63,9 +65,11 @@ def cast_model(model: nn.Module, dtype: torch.dtype, *,
         >>> m[0].weight.dtype, m[1].weight.dtype
         (torch.float16, torch.float32)
     """
+    kept = {id(m) for m in keep_modules}
     with torch.no_grad():
         for module in model.modules():
-            target = torch.float32 if isinstance(module, keep_fp32) else dtype
+            keep = isinstance(module, keep_fp32) or id(module) in kept
+            target = torch.float32 if keep else dtype
             for param in module.parameters(recurse=False):
                 if param.is_floating_point() and param.dtype != target:
                     param.data = param.data.to(target)
@@ -134,6 +138,7 @@ def remove_conversion(model: nn.Module) -> None:
 
 def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
                   keep_fp32: tuple[type[nn.Module], ...] = BATCHNORM_TYPES,
+                  keep_modules: Collection[nn.Module] = (),
                   casts: ForwardCasts = ForwardCasts()) -> ConvertHandle:
     """Cast ``model`` to ``param_dtype`` and install its forward and state-dict hooks.
 
@@ -144,6 +149,7 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
         model: the module to convert.
         param_dtype: dtype of the parameters (fp32: left as they are).
         keep_fp32: module types that stay fp32 when ``param_dtype`` is half.
+        keep_modules: modules that stay fp32 too (``ampkit.keep_fp32``'s selection).
         casts: the forward input/output casts and autocast region.
 
     Returns:
@@ -159,7 +165,7 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
     remove_conversion(model)
     handle = ConvertHandle(model)
     if param_dtype != torch.float32:
-        cast_model(model, param_dtype, keep_fp32=keep_fp32)
+        cast_model(model, param_dtype, keep_fp32=keep_fp32, keep_modules=keep_modules)
     if param_dtype in HALF_DTYPES:
         handle.handles += _install_fp32_state_dict(model)
     if casts.active:

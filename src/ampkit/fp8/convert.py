@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from ..keep import kept_modules
 from .config import Float8Config, Recipe
 from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
 
@@ -34,13 +35,15 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     """The (parent, attribute, linear) triples to swap and the (fqn, reason) skips."""
     swaps: list[tuple[nn.Module, str, nn.Linear]] = []
     skips: list[tuple[str, str]] = []
+    kept = {id(m) for m in kept_modules(model)}
     for parent_name, parent in model.named_modules():
         # _modules, not named_children(): that skips a layer placed in two slots.
         for name, child in parent._modules.items():
             if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
                 continue
             fqn = f"{parent_name}.{name}" if parent_name else name
-            reason = _skip_reason(child, fqn, module_filter)
+            reason = ("kept in fp32 (ampkit.keep_fp32)" if id(child) in kept
+                      else _skip_reason(child, fqn, module_filter))
             if reason is None:
                 swaps.append((parent, name, child))
             else:

@@ -12,6 +12,7 @@ from .. import _state
 from .._checks import check_bool, check_int
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, resolve_dtype
 from ..apply import ModelArg, OptimizerArg, check_models, check_optimizers, device_type_of, plan
+from ..keep import Modules
 from ..policy import OPT_LEVELS, Policy, get_policy
 
 logger = logging.getLogger("ampkit")
@@ -29,7 +30,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                cast_model_outputs: Optional[torch.dtype] = None, num_losses: int = 1,
                verbosity: int = 1, min_loss_scale: Optional[float] = None,
                max_loss_scale: float = 2.0**24, *,
-               half_dtype: Union[torch.dtype, str, None] = None) -> Any:
+               half_dtype: Union[torch.dtype, str, None] = None,
+               keep_fp32: Optional[Modules] = None) -> Any:
     """Prepare models and optimizers for an opt level, as ``apex.amp.initialize`` did.
 
     Everything is validated before any model or optimizer changes. A later call replaces
@@ -46,6 +48,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
         verbosity: 0 logs at DEBUG, 1 at INFO, 2 at WARNING (logger "ampkit").
         min_loss_scale, max_loss_scale: bounds of the dynamic loss scale.
         half_dtype: torch.float16 or torch.bfloat16 (None: the device's autocast default).
+        keep_fp32: modules that run in fp32 and keep fp32 params, as
+            :func:`ampkit.keep_fp32` selects them (None: each model's own selection).
 
     Returns:
         ``models`` when ``optimizers`` is None, else ``(models, optimizers)``: the same
@@ -69,7 +73,7 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                              cast_model_outputs=cast_model_outputs)
     application = plan(policy, models, optimizers if enabled else None, num_losses=num_losses,
                        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                       explicit_outputs=cast_model_outputs is not None)
+                       explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32)
     # Nothing was modified above this line.
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))

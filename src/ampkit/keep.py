@@ -1,0 +1,206 @@
+"""Per-module precision: ``keep_fp32(model, modules)``.
+
+The selected modules run in fp32 inside any autocast region (autocast is off in their
+forward, floating inputs are cast to fp32, floating outputs stay fp32) and keep fp32
+parameters when a policy casts the model to half (O2/O3: no masters are needed for
+them; ``ampkit.apply`` reads the selection). Outside an autocast region, where the
+model around them is half (O2/O3), their floating outputs go back to the half dtype
+their inputs had, so the half layers after them get what they expect.
+
+The selection lives on the model (one record, its hooks); calling ``keep_fp32`` again
+replaces it and ``[]`` clears it. Hooks are small classes, so the model still pickles.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._dtypes import HALF_DTYPES, cast_tree, iter_tensors
+
+Selector = Union[str, type, Callable[[str, nn.Module], bool]]
+Modules = Union[Selector, Sequence[Selector]]
+_ATTR = "_ampkit_keep_fp32"
+
+
+class _Kept:
+    """The selection on one model: module names and the hooks that enforce them."""
+
+    def __init__(self, names: list[str], handles: list[RemovableHandle]) -> None:
+        self.names = names
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
+    """Run the selected modules of ``model`` in fp32, whatever the policy around them.
+
+    Args:
+        model: the model.
+        modules: module names or fnmatch patterns over ``model.named_modules()`` names
+            ("head", "blocks.*.ln_*"), nn.Module subclasses, a callable
+            ``(name, module) -> bool``, or a list of these; ``[]`` clears the selection.
+
+    Returns:
+        ``model``, with the selection replacing any earlier one.
+
+    Raises:
+        ValueError: a pattern or name matches no module (the message lists some), or a
+            selected module already has half parameters (``initialize`` ran: select
+            before it, or pass ``initialize(..., keep_fp32=...)``).
+
+    Example:
+        >>> model = keep_fp32(model, ["head", "blocks.*.attn"])  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"keep_fp32 takes a torch.nn.Module, got {type(model).__name__} {model!r}")
+    names = select(model, modules)
+    half = [n for n in names for p in model.get_submodule(n).parameters(recurse=False)
+            if p.dtype in HALF_DTYPES]
+    if half:
+        raise ValueError(f"module {half[0]!r} already has half parameters (initialize ran); "
+                         "valid: call keep_fp32 before ampkit.initialize, or pass "
+                         "initialize(..., keep_fp32=...)")
+    install(model, names)
+    return model
+
+
+def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[str]:
+    """The names of ``model``'s modules that ``modules`` selects (validated, in model order).
+
+    ``strict``: a name or pattern that matches nothing raises ValueError naming a few
+    real module names.
+    """
+    selectors = as_selectors(modules)
+    named = [(name, module) for name, module in model.named_modules() if name]
+    chosen: set[str] = set()
+    for selector in selectors:
+        hits = {name for name, module in named if _matches(selector, name, module)}
+        if strict and not hits and isinstance(selector, str):
+            examples = ", ".join(repr(name) for name, _ in named[:6]) or "none (no submodules)"
+            raise ValueError(f"keep_fp32: {_describe(selector)} matches no module of "
+                             f"{type(model).__name__}; valid: names or patterns over "
+                             f"model.named_modules(), e.g. {examples}")
+        chosen |= hits
+    return [name for name, _ in named if name in chosen]
+
+
+def as_selectors(modules: Modules) -> list[Selector]:
+    """``modules`` as a list of selectors, each checked (TypeError names a bad one)."""
+    items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
+    for item in items:
+        ok = isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
+        if not ok and not (callable(item) and not isinstance(item, type)):
+            raise TypeError(f"keep_fp32: {item!r} is not a module selector; valid: a module "
+                            "name or fnmatch pattern (str), an nn.Module subclass, or a "
+                            "callable (name, module) -> bool")
+    return items
+
+
+def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
+    if isinstance(selector, str):
+        return name == selector or fnmatch.fnmatchcase(name, selector)
+    if isinstance(selector, type):
+        return isinstance(module, selector)
+    return bool(selector(name, module))
+
+
+def _describe(selector: Selector) -> str:
+    if isinstance(selector, str):
+        return f"pattern {selector!r}"
+    if isinstance(selector, type):
+        return f"type {selector.__name__}"
+    return f"callable {selector!r}"
+
+
+def install(model: nn.Module, names: Iterable[str]) -> None:
+    """Replace ``model``'s selection by ``names`` (already validated) and its hooks."""
+    previous: Optional[_Kept] = getattr(model, _ATTR, None)
+    if previous is not None:
+        previous.remove()
+        delattr(model, _ATTR)
+    names = list(names)
+    if not names:
+        return
+    handles: list[RemovableHandle] = []
+    for name in names:
+        region = _Fp32Region()
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(region.enter, with_kwargs=True,
+                                                        prepend=True))
+        handles.append(module.register_forward_hook(region.leave, prepend=True,
+                                                    always_call=True))
+    setattr(model, _ATTR, _Kept(names, handles))
+
+
+def kept_names(model: nn.Module) -> list[str]:
+    """The names ``keep_fp32`` selected on ``model`` (empty when none)."""
+    kept: Optional[_Kept] = getattr(model, _ATTR, None)
+    return [] if kept is None else list(kept.names)
+
+
+def kept_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``keep_fp32`` selected on ``model`` and every module inside them."""
+    return [sub for name in kept_names(model) for sub in model.get_submodule(name).modules()]
+
+
+def is_kept(root: nn.Module, module: nn.Module) -> bool:
+    """Whether ``module`` is inside one of ``root``'s kept modules."""
+    return any(module is sub for sub in kept_modules(root))
+
+
+class _Fp32Region:
+    """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {}  # open regions belong to this process's threads
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from .autocast import autocast  # autocast imports nothing of this module
+
+        device = _device_type(module, args)
+        half_in = _half_dtype_of(args)
+        # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype.
+        restore = half_in if not torch.is_autocast_enabled(device) else None
+        region = autocast(device, enabled=False)
+        region.__enter__()
+        self._local.__dict__.setdefault("stack", []).append((region, restore))
+        return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        stack = self._local.__dict__.get("stack")
+        if not stack:
+            return output
+        region, restore = stack.pop()
+        region.__exit__(None, None, None)
+        return output if restore is None else cast_tree(output, restore)
+
+
+def _device_type(module: nn.Module, args: tuple) -> str:
+    for tensor in iter_tensors(args):
+        return tensor.device.type
+    for param in module.parameters():
+        return param.device.type
+    return "cpu"
+
+
+def _half_dtype_of(args: tuple) -> Optional[torch.dtype]:
+    for tensor in iter_tensors(args):
+        if tensor.dtype in HALF_DTYPES:
+            return tensor.dtype
+    return None

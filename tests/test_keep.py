@@ -1,0 +1,160 @@
+"""keep.py: keep_fp32 — selected modules run in fp32 under any policy."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.fp8 import Float8Linear, convert_to_fp8
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 16)
+        self.seen: dict[str, torch.dtype] = {}
+
+    def forward(self, x):
+        h = self.norm(self.body(x))
+        return self.head(h)
+
+
+def _record(model: Net) -> None:
+    """model.seen[name] = (input dtype, weight dtype, output dtype, autocast on in forward)."""
+    def before(name):
+        def fn(module, args):
+            model.seen[name] = (args[0].dtype, torch.is_autocast_enabled("cpu"))
+        return fn
+
+    def after(name):
+        def fn(module, args, output):
+            dtype, autocast_on = model.seen[name]
+            model.seen[name] = (dtype, module.weight.dtype, output.dtype, autocast_on)
+        return fn
+    for name in ("body.2", "head"):
+        model.get_submodule(name).register_forward_pre_hook(before(name))
+        model.get_submodule(name).register_forward_hook(after(name))
+
+
+def test_a_kept_module_runs_in_fp32_inside_autocast_and_others_do_not():
+    model = Net()
+    _record(model)
+    assert ampkit.keep_fp32(model, ["head"]) is model
+    with ampkit.autocast("cpu", dtype=BF16):
+        out = model(torch.randn(4, 16))
+    assert model.seen["body.2"][2] == BF16
+    assert model.seen["head"] == (F32, F32, F32, False)  # fp32 in, fp32 weights, no autocast
+    assert out.dtype == F32 and torch.is_autocast_enabled("cpu") is False
+
+
+def test_the_kept_output_equals_an_fp32_run_of_that_module_bitwise():
+    model = Net()
+    ampkit.keep_fp32(model, "head")
+    x = torch.randn(4, 16)
+    with ampkit.autocast("cpu", dtype=BF16):
+        h = model.norm(model.body(x))
+        out = model.head(h)
+    assert torch.equal(out, torch.nn.functional.linear(h.float(), model.head.weight, model.head.bias))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_kept_modules_keep_fp32_params_under_half_policies(level):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=F16, verbosity=0,
+                                   keep_fp32=["head", "norm"])
+    assert model.body[0].weight.dtype == F16
+    assert model.head.weight.dtype == F32 and model.norm.weight.dtype == F32
+    out = model(torch.randn(4, 16))  # half body, fp32 norm and head: runs
+    assert out.dtype == (F32 if level == "O2" else F16)
+    if level == "O2":  # masters only for the half params
+        masters = ampkit.master_params(opt)
+        assert sum(1 for p in masters if p is model.head.weight) == 1
+
+
+def test_a_kept_module_in_the_middle_of_a_half_model_hands_half_on():
+    model = Net()
+    ampkit.keep_fp32(model, "body.2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    _record(model)
+    model(torch.randn(4, 16))
+    assert model.seen["body.2"] == (F32, F32, BF16, False)  # fp32 inside, half out again
+
+
+def test_patterns_types_and_callables_select_and_again_replaces():
+    model = Net()
+    ampkit.keep_fp32(model, "body.*")
+    from ampkit.keep import kept_names
+    assert kept_names(model) == ["body.0", "body.1", "body.2"]
+    ampkit.keep_fp32(model, nn.LayerNorm)
+    assert kept_names(model) == ["norm"]
+    ampkit.keep_fp32(model, lambda name, m: name == "head")
+    assert kept_names(model) == ["head"]
+    ampkit.keep_fp32(model, [])
+    assert kept_names(model) == [] and not model.head._forward_pre_hooks
+
+
+def test_a_pattern_that_matches_nothing_names_real_modules():
+    model = Net()
+    with pytest.raises(ValueError, match=r"pattern 'haed' matches no module of Net; valid: .*"
+                                         r"'body', 'body.0'"):
+        ampkit.keep_fp32(model, ["head", "haed"])
+    with pytest.raises(ValueError, match=r"pattern 'lm_head' matches no module"):
+        ampkit.initialize(model, opt_level="O2", keep_fp32=["lm_head"])
+    assert model.body[0].weight.dtype == F32  # refused before anything changed
+
+
+def test_bad_selectors_and_late_calls_are_refused():
+    model = Net()
+    with pytest.raises(TypeError, match=r"3 is not a module selector"):
+        ampkit.keep_fp32(model, [3])
+    ampkit.initialize(model, opt_level="O3", half_dtype=BF16, verbosity=0)
+    with pytest.raises(ValueError, match=r"'head' already has half parameters"):
+        ampkit.keep_fp32(model, "head")
+
+
+def test_convert_to_fp8_skips_kept_modules():
+    model = Net()
+    ampkit.keep_fp32(model, "head")
+    convert_to_fp8(model)
+    assert isinstance(model.body[0], Float8Linear) and type(model.head) is nn.Linear
+
+
+def test_state_dict_round_trip_and_pickling_keep_the_selection():
+    model = Net()
+    ampkit.keep_fp32(model, "head")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    state = model.state_dict()
+    fresh = Net()
+    fresh.load_state_dict(state)
+    assert all(torch.equal(state[k], v) for k, v in fresh.state_dict().items())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    _record(copy)
+    copy(torch.randn(2, 16))
+    assert copy.seen["head"][:2] == (F32, F32)
+
+
+def test_compiled_model_runs_kept_modules_in_fp32():
+    model = Net()
+    ampkit.keep_fp32(model, "head")
+    x = torch.randn(4, 16)
+    with ampkit.autocast("cpu", dtype=BF16):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with ampkit.autocast("cpu", dtype=BF16):
+        out = compiled(x)
+    assert out.dtype == F32 and torch.equal(out, eager)
