@@ -14,9 +14,10 @@ from . import fp8
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .frontend import _amp_state  # noqa: F401 - apex's private attribute, read by apex clients
 
-# Policies and per-module precision
+# Policies, per-module precision, and choosing one by measuring
 from .keep import keep_fp32
 from .policy import Policy, get_policy
+from .tune import TuneResult, autotune
 
 # Torch-style: gradient scaling
 from .scaler import GradScaler, ScalerStats
@@ -39,6 +40,8 @@ __all__ = [
     "Policy",
     "get_policy",
     "keep_fp32",
+    "autotune",
+    "TuneResult",
     # torch-style
     "autocast",
     "GradScaler",

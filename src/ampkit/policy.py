@@ -211,9 +211,14 @@ def get_policy(name: Union[str, Policy]) -> Policy:
     key = _ALIASES.get(key, key)
     if key in _PRESETS:
         return _PRESETS[key]
+    level, _, half = key.partition("-")
+    if level in OPT_LEVELS and half and level != "O0":  # "O2-bf16": the level in that half dtype
+        return _PRESETS[level].with_half_dtype(resolve_dtype(half, allowed=HALF_DTYPES,
+                                                             what=f"half dtype in {name!r}"))
     if "=" in key:
         return _parse_explicit(key)
-    raise ValueError(f"unknown policy {name!r}; valid: {', '.join(preset_names())}, or "
+    raise ValueError(f"unknown policy {name!r}; valid: {', '.join(preset_names())}, an opt level "
+                     "with a half dtype ('O2-bf16', 'O1-fp16'), or "
                      "'params=float32,compute=bfloat16,output=float32' (short: 'p=f32,c=bf16,o=f32')")
 
 

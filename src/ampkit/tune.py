@@ -1,0 +1,244 @@
+"""``autotune``: measure the candidate policies on the user's model and choose one.
+
+Each candidate trains its own deep copy of the model from the same weights on the same
+batch, fp32 first, all in one run: the candidates take turns step by step (A B C A B C
+...), so drift and load hit them alike. The choice is :func:`choose`: the fastest
+candidate whose loss curve stays within ``max_loss_dev`` (relative) of fp32's, and never
+one measured slower than fp32 (then "32-true"). ``ampkit bench`` recommends by the same
+rule. The caller's model, its RNG state and autocast state are left as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._dtypes import capability, default_device_type
+from .apply import apply_policy, loop_scaler
+from .autocast import autocast
+from .policy import get_policy
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_REFERENCE = "32-true"
+
+
+@dataclass
+class TuneResult:
+    """What :func:`autotune` measured and chose.
+
+    Attributes:
+        policy: the chosen policy's name.
+        keep_fp32: module names kept in fp32 by the choice (none chosen this way yet).
+        fp8_modules: module names the choice runs in fp8.
+        rows: one dict per candidate: "policy", "step_ms", "peak_mib", "max_loss_dev",
+            "accepted", "reason".
+        speedup: fp32's step time over the chosen one's (1.0 for "32-true").
+    """
+
+    policy: str
+    rows: list[dict[str, Any]]
+    speedup: float
+    keep_fp32: list[str] = field(default_factory=list)
+    fp8_modules: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "keep_fp32": list(self.keep_fp32),
+                "fp8_modules": list(self.fp8_modules), "speedup": self.speedup,
+                "rows": [dict(row) for row in self.rows]}
+
+    def apply(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
+              ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        """Configure ``model`` (and ``optimizer``) as chosen, through ``ampkit.apply``."""
+        apply_policy(self.policy, model, optimizer,
+                     keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
+        return model, optimizer
+
+
+def native_candidates(device: Optional[str] = None) -> list[str]:
+    """The policies a device runs natively, fp32 first (autotune's default candidates)."""
+    cap = capability(device)
+    names = [_REFERENCE]
+    if cap.bf16:
+        names += ["bf16-mixed", "O2-bf16"]
+    if torch.device(cap.device).type == "cuda" and cap.fp16:
+        names += ["16-mixed", "O2-fp16"]
+    return names
+
+
+def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, float]:
+    """The recommendation rule: the fastest accepted candidate, never slower than fp32.
+
+    ``rows[0]`` is fp32's. A row is accepted when its ``max_loss_dev`` is within
+    ``max_loss_dev``; ``reason`` and ``accepted`` are filled in. Returns (name, speedup).
+    """
+    reference = rows[0]
+    best, best_ms = reference["policy"], reference["step_ms"]
+    for row in rows:
+        if row is reference:
+            row["accepted"], row["reason"] = True, "the fp32 reference"
+        elif row["max_loss_dev"] is None or row["max_loss_dev"] > max_loss_dev:
+            row["accepted"] = False
+            row["reason"] = (f"loss moved {row['max_loss_dev']:.3g} from fp32's (more than "
+                             f"{max_loss_dev:g})" if row["max_loss_dev"] is not None
+                             else "loss not finite")
+        elif row["step_ms"] >= reference["step_ms"]:
+            row["accepted"] = False
+            row["reason"] = (f"no faster than fp32 here ({row['step_ms']:.3g} ms vs "
+                             f"{reference['step_ms']:.3g} ms)")
+        else:
+            row["accepted"], row["reason"] = True, "faster than fp32 within the loss tolerance"
+            if row["step_ms"] < best_ms:
+                best, best_ms = row["policy"], row["step_ms"]
+    return best, reference["step_ms"] / best_ms
+
+
+def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
+             loss_fn: Optional[Callable[..., Tensor]] = None,
+             optimizer: Optional[OptimizerFactory] = None,
+             candidates: Optional[Sequence[str]] = None, max_loss_dev: float = 0.02,
+             steps: int = 20, device: Optional[str] = None) -> TuneResult:
+    """Train a copy of ``model`` under each candidate and choose the fastest accurate one.
+
+    Args:
+        model: the model (not modified: each candidate trains a deep copy).
+        inputs: the batch (a tensor or a tuple of them), moved to ``device``.
+        target: the loss target; default loss: cross-entropy for an integer target, MSE for
+            a floating one, ``output.float().mean()`` without one.
+        loss_fn: ``loss_fn(output, target)`` instead of the default.
+        optimizer: a callable params -> optimizer (default AdamW, lr 1e-3).
+        candidates: policy names (default: :func:`native_candidates`); fp32 is always
+            measured first as the reference.
+        max_loss_dev: the largest relative gap from fp32's loss curve a candidate may show.
+        steps: training steps per candidate (the first two are warm-up, not timed).
+        device: where to run (default: the model's device).
+
+    Example:
+        >>> result = autotune(model, x, y, steps=10)  # doctest: +SKIP
+        >>> model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
+    """
+    names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device)
+    device = device or next((p.device.type for p in model.parameters()), default_device_type())
+    make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    batch = _to_device(inputs, device), _to_device(target, device)
+    with _untouched_state():
+        runs = [_Run(name, model, make_opt, device) for name in names]
+        for step in range(steps):
+            for run in runs:  # interleaved: A B C A B C ...
+                run.step(batch, loss_fn, timed=step >= 2)
+    rows = [run.row(runs[0].losses) for run in runs]
+    chosen, speedup = choose(rows, max_loss_dev)
+    return TuneResult(chosen, rows, speedup)
+
+
+def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optimizer: Any,
+                loss_fn: Any, device: Any) -> list[str]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autotune takes a torch.nn.Module, got {type(model).__name__} {model!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be a callable params -> optimizer, got {optimizer!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be an int >= 3 (2 warm-up steps, then timed ones), got {steps!r}")
+    if isinstance(max_loss_dev, bool) or not isinstance(max_loss_dev, (int, float)) \
+            or not max_loss_dev >= 0:
+        raise ValueError(f"max_loss_dev must be a number >= 0, got {max_loss_dev!r}")
+    names = list(native_candidates(device) if candidates is None else candidates)
+    if not names:
+        raise ValueError("candidates is empty; valid: policy names such as "
+                         f"{', '.join(native_candidates(device))}")
+    for name in names:
+        try:
+            get_policy(name)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"unknown candidate {name!r}: {err}") from None
+    return [_REFERENCE] + [n for n in names if n != _REFERENCE]
+
+
+class _Run:
+    """One candidate: its own copy of the model, optimizer, scaler; its losses and times."""
+
+    def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str) -> None:
+        self.name = name
+        self.policy = get_policy(name)
+        self.model = copy.deepcopy(model).to(device)
+        self.optimizer = make_opt(self.model.parameters())
+        apply_policy(self.policy, self.model, self.optimizer)
+        self.scaler = loop_scaler(self.policy, device)
+        self.autocast = autocast(device, dtype=self.policy.compute_dtype if self.policy.autocast
+                                 else torch.float32, enabled=self.policy.autocast)
+        self.device = device
+        self.losses: list[Tensor] = []
+        self.times: list[float] = []
+
+    def step(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]],
+             timed: bool) -> None:
+        inputs, target = batch
+        _synchronize(self.device)
+        start = time.perf_counter()
+        with self.autocast:
+            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+            loss = _loss(output, target, loss_fn)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        _synchronize(self.device)
+        if timed:
+            self.times.append((time.perf_counter() - start) * 1e3)
+        self.losses.append(loss.detach().float())
+
+    def row(self, reference: list[Tensor]) -> dict[str, Any]:
+        ours = [float(v) for v in self.losses]
+        ref = [float(v) for v in reference]
+        finite = all(math.isfinite(v) for v in ours)
+        dev = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, ref)) if finite else None
+        peak = (torch.cuda.max_memory_allocated() / 2**20) if self.device == "cuda" else None
+        return {"policy": self.name, "step_ms": statistics.median(self.times),
+                "peak_mib": peak, "max_loss_dev": dev, "accepted": False, "reason": ""}
+
+
+def _loss(output: Any, target: Any, loss_fn: Optional[Callable[..., Tensor]]) -> Tensor:
+    if loss_fn is not None:
+        return loss_fn(output, target)
+    if target is None:
+        return output.float().mean()
+    if not target.is_floating_point():
+        return nn.functional.cross_entropy(output.float(), target)
+    return nn.functional.mse_loss(output.float(), target.float())
+
+
+def _to_device(value: Any, device: str) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return tuple(_to_device(v, device) for v in value)
+    return value
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _untouched_state:  # noqa: N801 - used as a context manager
+    """Restore the RNG states around the runs (the copies' training must not move them)."""
+
+    def __enter__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+__all__ = ["autotune", "TuneResult", "choose", "native_candidates"]
