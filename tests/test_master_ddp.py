@@ -100,6 +100,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_o2_under_ddp_steps_the_masters_with_the_reduced_gradients(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -109,3 +110,39 @@ def test_o2_under_ddp_steps_the_masters_with_the_reduced_gradients(tmp_path):
         for result in (rank0[key], rank1[key]):
             assert result["local_differs"], key  # the ranks' own gradients differ ...
             assert result["grad_err"] < 1e-2, key  # ... the masters got their mean
+
+
+def _one_rank_run(loop: str, ddp: bool) -> list[torch.Tensor]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    net = nn.parallel.DistributedDataParallel(model) if ddp else model
+    scaler = amp.GradScaler("cpu") if loop == "gradscaler" else None
+    for step in range(3):
+        opt.zero_grad()
+        loss = net(_batch(0, step)).float().pow(2).mean()
+        if scaler is None:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    del net  # its reducer goes before the process group
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_o2_under_one_rank_ddp_trains_as_without_ddp(loop):
+    """The fast stand-in for the two-process test: the gradients DDP writes back at the end
+    of backward reach the fp32 masters (one rank: their mean is the local gradient)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with_ddp = _one_rank_run(loop, ddp=True)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    start = [p.detach().float() for p in _model().parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(with_ddp, start))  # it trained
+    assert all(torch.equal(a, b) for a, b in zip(with_ddp, _one_rank_run(loop, ddp=False)))

@@ -63,6 +63,7 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_all_ranks_skip_together_when_one_overflows(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
