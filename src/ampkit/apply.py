@@ -10,6 +10,7 @@ fp32 masters under master-weight policies). :func:`apply_policy` does both.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -112,7 +113,25 @@ def check_models(models: Any) -> list[nn.Module]:
             raise TypeError(f"models[{i}] is wrapped in {type(model).__name__}; pass the bare "
                             f"module (valid: a torch.nn.Module not wrapped in "
                             f"DistributedDataParallel/DataParallel) and wrap it after initialize")
+        if is_sharded(model):
+            raise TypeError(f"models[{i}] ({type(model).__name__}) is already sharded (FSDP2 "
+                            "fully_shard, DTensor parameters), which initialize cannot cast or "
+                            "wrap; valid: apply the policy while sharding, with "
+                            "ampkit.distributed.shard(model, policy) instead of initialize")
     return model_list
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds FSDP2 (``fully_shard``) modules or DTensor parameters.
+
+    Looks only at the torch modules already imported: a model cannot be sharded unless
+    they were, and importing them costs about a second.
+    """
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
