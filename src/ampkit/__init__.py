@@ -10,6 +10,9 @@ __version__ = "0.1.0"
 # Subpackage: fp8 linear layers (ampkit.fp8.convert_to_fp8, ampkit.fp8.Float8Linear)
 from . import fp8
 
+# Subpackage: FSDP2 sharding and DCP checkpoints (ampkit.distributed.shard, .fsdp_policy)
+from . import distributed
+
 # Apex-style: opt levels, loss scaling, master weights, amp checkpoints
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .frontend import _amp_state  # noqa: F401 - apex's private attribute, read by apex clients
@@ -54,6 +57,8 @@ __all__ = [
     "load_state_dict",
     # fp8
     "fp8",
+    # distributed
+    "distributed",
     # op overrides
     "register_half_function",
     "register_float_function",
