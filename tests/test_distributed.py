@@ -439,3 +439,23 @@ def test_the_fsdp_example_trains_saves_and_resumes(two_ranks):
     assert resumed.startswith("16-mixed: steps 2-4, loss ")
     # The resumed run ends at the unbroken run's loss: "-> x.xxxx" is the last loss.
     assert resumed.split("-> ")[1] == unbroken.split("-> ")[1]
+
+
+def test_a_scaler_unscales_sharded_and_plain_grads_in_one_optimizer(one_rank):
+    """An FSDP2 model beside an unsharded extra parameter: DTensor's dispatch refuses a
+    mixed list, so the unscale checks each kind apart; both are unscaled, an inf in
+    either is found."""
+    torch.manual_seed(0)
+    model = Net()
+    shard(model, "bf16-mixed")
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.0)
+    scaler = ampkit.GradScaler("cpu", init_scale=4.0)
+    loss = model(_batch(0, 0)).float().pow(2).mean() + extra.sum()
+    scaler.scale(loss).backward()
+    extra.grad[1] = float("inf")
+    scaler.unscale_(opt)
+    assert extra.grad[0].item() == 1.0  # 4 / 4
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0

@@ -34,6 +34,17 @@ def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor
             raise
         torch._amp_foreach_non_finite_check_and_unscale_(
             [_dense_values(g) for g in grads], found_inf, inv_scale)
+    except RuntimeError:
+        # Sharded (DTensor) and plain gradients in one list (an FSDP2 model with an
+        # unsharded extra parameter): DTensor's dispatch refuses the mix before touching
+        # any tensor, so check each kind apart (each DTensor call all-reduces over its mesh).
+        kinds: dict[type, list[Tensor]] = {}
+        for grad in grads:
+            kinds.setdefault(type(grad), []).append(grad)
+        if len(kinds) < 2:
+            raise
+        for group in kinds.values():
+            _check_and_unscale(group, found_inf, inv_scale)
 
 
 def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
