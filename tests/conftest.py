@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+import sys
 import zlib
 from typing import Iterator
 
@@ -67,8 +69,9 @@ def _restore_torch_autocast() -> list[str]:
         if torch.is_autocast_enabled(device):
             leaks.append(f"torch autocast left enabled on {device!r}")
             torch.set_autocast_enabled(device, False)
-        if torch.get_autocast_dtype(device) != default:
-            leaks.append(f"torch autocast dtype of {device!r} left at {torch.get_autocast_dtype(device)}")
+        dtype = torch.get_autocast_dtype(device)
+        if dtype != default:
+            leaks.append(f"torch autocast dtype of {device!r} left at {dtype}")
             torch.set_autocast_dtype(device, default)
     if not torch.is_autocast_cache_enabled():
         leaks.append("torch autocast cache left disabled")
@@ -83,7 +86,7 @@ def _restore_torch_autocast() -> list[str]:
 
 def _reset_ampkit() -> list[str]:
     """Put every process-global of ampkit back to its import-time value; say what leaked."""
-    from ampkit import _state, frontend, master, optim, overrides, scaler
+    from ampkit import _state, master, optim, overrides, scaler
     from ampkit.fp8 import linear as fp8_linear
 
     autocast = importlib.import_module("ampkit.autocast")  # ampkit.autocast is the class
@@ -95,8 +98,6 @@ def _reset_ampkit() -> list[str]:
         overrides._open_regions.clear()
     overrides.clear()  # also resets overrides._installed once the registry is empty
     _state.set_active(None)
-    if hasattr(frontend, "_amp"):  # the active initialize's older home, beside _state's
-        frontend._amp = None
     master._REGISTRY.clear()
     for handle in optim._ORPHAN_HOOK:
         handle.remove()
@@ -106,7 +107,18 @@ def _reset_ampkit() -> list[str]:
     autocast._CHECKED_DEVICES.clear()
     scaler._TAKES_GRAD_SCALER.clear()
     fp8_linear._emulation_warned.clear()
+    _clear_lru_caches()
     return leaks
+
+
+def _clear_lru_caches() -> None:
+    """Empty every functools cache defined in ampkit (device capabilities, ...)."""
+    for name, module in list(sys.modules.items()):
+        if name != "ampkit" and not name.startswith("ampkit."):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, functools._lru_cache_wrapper) and value.__module__ == name:
+                value.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -114,16 +126,19 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test starts from a fresh process's globals, whatever ran before it.
 
     Resets ampkit's module state (overrides, the active initialize, the master registry,
-    the orphan hook, autocast's caches, the fp8 warn-once set) and torch's autocast state,
-    default dtype, grad mode, thread count, process group and the "ampkit" loggers. Seeds
-    torch per test, as pytest-randomly seeds ``random``. A test that leaves an
-    autocast region open (torch's or ampkit's) fails: no ampkit context manager may.
+    the orphan hook, autocast's and the capability caches, the fp8 warn-once set) and
+    torch's autocast state, default dtype, grad mode, thread count, process group and the
+    "ampkit" loggers. Seeds torch per test, as pytest-randomly seeds ``random``. A test
+    that leaves an autocast region open (torch's or ampkit's) fails: no ampkit context
+    manager may.
     """
-    dtype, grad, threads = torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    threads = torch.get_num_threads()
     loggers = {name: logging.getLogger(name).level for name in ("ampkit", "ampkit.fp8")}
     # Each test's torch seed depends on the run's seed and its own name, never on the tests
     # that ran before it (pytest-randomly does the same for random and numpy).
-    torch.manual_seed(((_run_seed(request.config) or 0) + zlib.crc32(request.node.nodeid.encode())) % 2**32)
+    seed = (_run_seed(request.config) or 0) + zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed % 2**32)
     yield
     leaks = _restore_torch_autocast() + _reset_ampkit()
     torch.set_default_dtype(dtype)

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A fence at the start of a line; the comment directly above it (blank lines aside) may skip it.
-FENCE = re.compile(r"(?:<!--\s*no-test:\s*(?P<skip>.*?)\s*-->\s*\n)?^```python[ \t]*\n(?P<code>.*?)^```",
-                   re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"(?:<!--[ \t]*no-test:[ \t]*(?P<skip>[^\n]*?)[ \t]*-->\s*\n)?"
+                   r"^```python[ \t]*\n(?P<code>.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 class Snippet(NamedTuple):
@@ -59,6 +59,14 @@ def test_the_quick_start_is_first_and_runs_on_its_own(tmp_path, monkeypatch):
 def test_every_doc_with_code_has_a_block_found():
     for path in DOCS:
         assert path.read_text().count("```python") == len(snippets(path)), path
+
+
+def test_only_a_block_right_after_a_no_test_comment_is_skipped(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- no-test: other -->\ntext\n\n<!-- no-test: needs CUDA -->\n\n"
+                   "```python\nx = 1\n```\n<!-- no-test: far -->\ntext\n```python\ny = 2\n```\n")
+    assert [(s.line, s.code, s.skip) for s in snippets(doc)] == [
+        (7, "x = 1\n", "needs CUDA"), (12, "y = 2\n", None)]
 
 
 @pytest.mark.parametrize("snippet", ALL[1:], ids=lambda s: s.id)
