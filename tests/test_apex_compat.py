@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import _state, frontend
+from ampkit import _state
 
 BF16, F16 = torch.bfloat16, torch.float16
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit import _state, frontend
+from ampkit import _state
 from ampkit.autocast import autocast
 from ampkit.convert import cast_model
 from ampkit.frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
@@ -725,7 +725,7 @@ def test_an_initialized_model_pickles_like_a_plain_one(level):
 
 
 def test_amp_state_round_trips_without_initialize():
-    frontend._amp = None
+    _state.set_active(None)
     assert state_dict() == {}
     load_state_dict(state_dict())  # a plain run that saves and reloads amp state
     with pytest.raises(RuntimeError, match="initialize"):
