@@ -183,9 +183,12 @@ class MasterWeights:
                 del _REGISTRY[id(param)]
 
 
-# The move converts a device's half gradients in this many buckets, freeing each bucket's
-# half gradients once it is copied: the move then holds at most 1/8 of them twice.
+# The move converts a device's half gradients in up to this many buckets, freeing each
+# bucket's half gradients once it is copied: the move then holds at most 1/8 of them
+# twice. A bucket holds at least _MIN_BUCKET elements (4 MiB in fp32), so a small model
+# moves in one bucket (each bucket costs a few host-side ops).
 _BUCKETS = 8
+_MIN_BUCKET = 1 << 20
 
 
 def _to_fp32(params: list[Tensor]) -> list[Tensor]:
@@ -215,7 +218,7 @@ def _to_fp32(params: list[Tensor]) -> list[Tensor]:
 
 def _buckets(indices: list[int], sizes: list[int]) -> list[list[int]]:
     """``indices`` in order, cut into at most _BUCKETS runs of about equal total size."""
-    target = max(1, -(-sum(sizes) // _BUCKETS))
+    target = max(_MIN_BUCKET, -(-sum(sizes) // _BUCKETS))
     buckets: list[list[int]] = [[]]
     filled = 0
     for index, size in zip(indices, sizes):
