@@ -13,6 +13,9 @@ from . import fp8
 # Subpackage: FSDP2 sharding and DCP checkpoints (ampkit.distributed.shard, .fsdp_policy)
 from . import distributed
 
+# Subpackage: diagnostics (ampkit.diagnose.inspect per-module report, ampkit.diagnose.watch)
+from . import diagnose
+
 # Apex-style: opt levels, loss scaling, master weights, amp checkpoints
 from .frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
 from .frontend import _amp_state  # noqa: F401 - apex's private attribute, read by apex clients
@@ -59,6 +62,8 @@ __all__ = [
     "fp8",
     # distributed
     "distributed",
+    # diagnostics
+    "diagnose",
     # op overrides
     "register_half_function",
     "register_float_function",

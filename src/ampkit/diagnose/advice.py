@@ -1,0 +1,160 @@
+"""The advice of a report: each sentence names a module or a setting and an action.
+
+The rules, most urgent first (at most :data:`PER_RULE` modules each):
+
+1. the fp32 reference itself is non-finite: precision is not the cause;
+2. the first non-finite module: keep it in fp32 / switch fp16 -> bf16 / lower the
+   initial loss scale (backward) / exclude it from fp8;
+3. outputs that overflow the half dtype: keep it in fp32, or switch fp16 -> bf16;
+4. gradients that overflow at the initial loss scale: lower ``init_scale`` (to a power
+   of two computed from the largest reference gradient);
+5. outputs that underflow (at least :data:`UNDERFLOW` of them): switch fp16 -> bf16 or
+   keep it in fp32;
+6. gradients that underflow at the initial loss scale: raise ``init_scale`` / use
+   dynamic loss scaling / switch fp16 -> bf16;
+7. the first module whose output SQNR is below :data:`LOW_SQNR_DB` (where accuracy is
+   lost; the modules after it inherit the error): keep it in fp32 / exclude it from fp8;
+8. nothing found: keep the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .report import ModuleStats, dtype_name
+
+UNDERFLOW = 0.01  # a module is flagged when 1% of its nonzero values flush to zero
+LOW_SQNR_DB = 20.0  # error energy above 1% of the signal's (RMS error above 10%)
+PER_RULE = 3
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the rules need beyond the module table."""
+
+    policy: str
+    half_dtype: Optional[torch.dtype]
+    loss_scale: float
+    scaling: str  # "none", "static" or "dynamic"
+    bf16_policy: Optional[str]  # the same policy in bf16 (None when it is not fp16)
+    first_nonfinite: Optional[tuple[str, str]]
+    ref_finite: bool
+    kept: frozenset[str] = frozenset()
+    fp8_layers: frozenset[str] = frozenset()
+    grad_amax: dict[str, float] = field(default_factory=dict)
+
+
+def advise(modules: list[ModuleStats], ctx: Context) -> list[str]:
+    """The advice sentences for ``modules`` under ``ctx``, most urgent first."""
+    if not ctx.ref_finite:
+        return ["The fp32 reference loss is not finite either: the model overflows in fp32, "
+                "so no precision setting is the cause; fix the model or its inputs first."]
+    sentences = _nonfinite(ctx)
+    named = {ctx.first_nonfinite[1]} if ctx.first_nonfinite else set()
+    for rule in (_overflow, _grad_overflow, _underflow, _grad_underflow, _low_sqnr):
+        for module, sentence in rule(modules, ctx, named):
+            named.add(module)
+            sentences.append(sentence)
+    return sentences or [f"No module overflows, underflows or falls below {LOW_SQNR_DB:g} dB "
+                         f"SQNR under {ctx.policy}: keep the policy {ctx.policy!r}."]
+
+
+def _fix(name: str, ctx: Context, problem: str) -> str:
+    """The action for a module whose own values do not fit the policy."""
+    shown = name or "<model>"
+    if name in ctx.fp8_layers:
+        return (f"Exclude {shown!r} from fp8 ({problem}): convert_to_fp8(model, module_filter="
+                f"lambda m, name: name != {name!r}).")
+    actions = []
+    if name not in ctx.kept and name:
+        actions.append(f"keep it in fp32 with ampkit.keep_fp32(model, [{name!r}])")
+    if ctx.bf16_policy is not None:
+        actions.append(f"switch fp16 -> bf16 (policy {ctx.bf16_policy!r}: fp32's exponent range)")
+    if not actions:
+        actions.append("run the model in fp32 (policy '32-true') or rescale what it computes")
+    return f"{shown!r} {problem}: " + ", or ".join(actions) + "."
+
+
+def _nonfinite(ctx: Context) -> list[str]:
+    if ctx.first_nonfinite is None:
+        return []
+    phase, name = ctx.first_nonfinite
+    if phase == "forward":
+        return [_fix(name, ctx, "is the first module with a non-finite output under "
+                                f"{ctx.policy}")]
+    if ctx.scaling != "none" and ctx.loss_scale > 1:
+        return [f"{name or '<model>'!r} is the first module with a non-finite gradient at the "
+                f"initial loss scale {ctx.loss_scale:g}: lower init_scale "
+                f"({_lower_scale(name, ctx)}); dynamic scaling would skip steps until it "
+                "backs off far enough."]
+    return [_fix(name, ctx, f"is the first module with a non-finite gradient under {ctx.policy}")]
+
+
+def _lower_scale(name: str, ctx: Context) -> str:
+    """A lower init_scale: from the module's largest reference parameter gradient when
+    that gives one (a non-finite input gradient may need lower still)."""
+    amax = ctx.grad_amax.get(name, 0.0)
+    generic = f"below {ctx.loss_scale:g}, e.g. GradScaler(init_scale={ctx.loss_scale / 2**8:g})"
+    if ctx.half_dtype is None or not (amax > 0 and math.isfinite(amax)):
+        return generic
+    scale = 2.0 ** math.floor(math.log2(torch.finfo(ctx.half_dtype).max / amax))
+    if scale >= ctx.loss_scale:
+        return generic
+    return f"GradScaler(init_scale={max(scale, 1.0):g}) keeps its largest gradient finite"
+
+
+def _overflow(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:
+    hits = [m for m in modules if (m.overflow or 0) > 0 and m.name not in named]
+    half = dtype_name(ctx.half_dtype)
+    return [(m.name, _fix(m.name, ctx, f"has {m.overflow:.2%} of its outputs overflow {half}"))
+            for m in hits[:PER_RULE]]
+
+
+def _grad_overflow(modules: list[ModuleStats], ctx: Context,
+                   named: set[str]) -> list[tuple[str, str]]:
+    hits = [m for m in modules if (m.grad_overflow or 0) > 0 and m.name not in named]
+    out = []
+    for m in hits[:PER_RULE]:
+        problem = (f"has {m.grad_overflow:.2%} of its gradients overflow "
+                   f"{dtype_name(ctx.half_dtype)} at the initial loss scale {ctx.loss_scale:g}")
+        sentence = (f"{m.name!r} {problem}: lower init_scale ({_lower_scale(m.name, ctx)})."
+                    if ctx.loss_scale > 1 else _fix(m.name, ctx, problem))
+        out.append((m.name, sentence))
+    return out
+
+
+def _underflow(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:
+    hits = [m for m in modules if (m.underflow or 0) >= UNDERFLOW and m.name not in named]
+    half = dtype_name(ctx.half_dtype)
+    return [(m.name, _fix(m.name, ctx, f"has {m.underflow:.2%} of its nonzero outputs flush "
+                                       f"to zero in {half}")) for m in hits[:PER_RULE]]
+
+
+def _grad_underflow(modules: list[ModuleStats], ctx: Context,
+                    named: set[str]) -> list[tuple[str, str]]:
+    hits = [m for m in modules if (m.grad_underflow or 0) >= UNDERFLOW and m.name not in named]
+    if ctx.scaling == "none":
+        action = ("use dynamic loss scaling (ampkit.GradScaler(), or a policy with "
+                  "loss_scale=dynamic)")
+    else:
+        action = f"raise init_scale above {ctx.loss_scale:g} (GradScaler(init_scale=...))"
+    if ctx.bf16_policy is not None:
+        action += f", or switch fp16 -> bf16 (policy {ctx.bf16_policy!r})"
+    return [(m.name, f"{m.name!r} has {m.grad_underflow:.2%} of its nonzero gradients flush to "
+                     f"zero in {dtype_name(ctx.half_dtype)} at the initial loss scale "
+                     f"{ctx.loss_scale:g}: {action}.") for m in hits[:PER_RULE]]
+
+
+def _low_sqnr(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:
+    for m in modules:
+        if m.out_sqnr_db is not None and m.out_sqnr_db < LOW_SQNR_DB:
+            if m.name in named:
+                return []  # already advised on: the modules after it inherit its error
+            problem = (f"is the first module whose output is below {LOW_SQNR_DB:g} dB SQNR "
+                       f"({m.out_sqnr_db:.1f} dB) under {ctx.policy}")
+            return [(m.name, _fix(m.name, ctx, problem))]
+    return []

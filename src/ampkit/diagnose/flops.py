@@ -1,0 +1,90 @@
+"""FLOPs of the matmuls and convolutions that actually ran, by the dtype they ran in.
+
+A ``TorchDispatchMode`` sees every aten op below autocast, so an op autocast cast to
+bf16 is seen with bf16 operands and one it kept in fp32 with fp32 ones. The FLOPs of
+each op come from torch's own formulas (``torch.utils.flop_counter.flop_registry``:
+mm, addmm, bmm, baddbmm, convolution and its backward, ``_scaled_mm``, attention;
+2*M*N*K per matmul), so forward and backward are both counted.
+
+Emulated fp8: where there are no fp8 tensor cores, ``Float8Linear`` widens its fp8
+operands to fp32 and multiplies those; such a matmul is counted under the fp8 dtype its
+operands came from (what the GEMM is on fp8 hardware), not as fp32 work.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import flop_registry
+# Private torch API: ampkit._torch_compat has an entry for it (TorchDispatchMode), not
+# committed yet; import it from there once it is.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts matmul and convolution FLOPs by operand dtype while it is entered.
+
+    Example:
+        >>> with FlopCounter() as counter:
+        ...     _ = torch.ones(2, 3) @ torch.ones(3, 4)
+        >>> counter.flops
+        {'float32': 48}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counts: dict[str, int] = defaultdict(int)
+        # fp32 tensors widened from fp8 (emulated fp8 GEMM operands) -> that fp8 dtype.
+        self._widened: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Recent torch (2.13 here) wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless
+        # this says False; the wrapper imports torch._dynamo on first use (seconds, once
+        # per process). This mode only runs eager code, so there is nothing to skip.
+        return False
+
+    @property
+    def flops(self) -> dict[str, int]:
+        """{dtype name: FLOPs} counted so far."""
+        return dict(self._counts)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self._counts[self._dtype_name(args)] += int(formula(*args, **kwargs, out_val=out))
+        elif func is _TO_COPY and isinstance(args[0], Tensor) and args[0].dtype in FP8_DTYPES:
+            self._widened[out] = args[0].dtype
+        return out
+
+    def _dtype_name(self, args: tuple) -> str:
+        """The dtype an op ran in: its first tensor operand's, or the fp8 dtype that all
+        its matrix operands were widened from."""
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        matrices = [t for t in tensors if t.dim() >= 2]
+        sources = [self._widened.get(t) for t in matrices]
+        if sources and all(s is not None for s in sources):
+            return str(sources[0]).replace("torch.", "")
+        return str(tensors[0].dtype).replace("torch.", "") if tensors else "unknown"
+
+
+def low_precision_share(flops: dict[str, int]) -> float:
+    """The fraction of ``flops`` that ran in a dtype narrower than fp32 (0.0 when none)."""
+    total = sum(flops.values())
+    low = sum(n for name, n in flops.items() if _bits(name) < 32)
+    return low / total if total else 0.0
+
+
+def _bits(name: str) -> int:
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize * 8 if isinstance(dtype, torch.dtype) else 32

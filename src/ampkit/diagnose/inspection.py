@@ -1,0 +1,423 @@
+"""``inspect``: one step in fp32 and one under a policy, compared module by module.
+
+How it runs: a deep copy of the model does one forward+backward in fp32 (the
+reference); forward hooks keep a copy of each tracked module's output, and its
+parameter gradients are kept when the copy is dropped. A second deep copy, with the
+policy applied (``ampkit.apply.apply_policy``; fp8 names also ``convert_to_fp8``),
+runs the same batch with the same random numbers (dropout) under a ``watch`` and a
+FLOP counter, its loss multiplied by the policy's initial loss scale as a GradScaler
+would; each output is compared with its reference as soon as it is produced, which frees
+that reference. The caller's model is only read (deep-copied), never run, so its
+parameters, buffers, gradients, mode and hooks stay exactly as they were, and its RNG
+state is restored.
+
+Memory: one copy of the weights at a time, plus the reference outputs of the tracked
+modules and the reference gradients until the policy pass has compared them.
+Host syncs: the numbers are summed on the device and read back once at the end (plus
+the loss values and the watch's reads): a handful per call, never one per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .._dtypes import autocast_default_dtype, capability, fp8_supported, iter_tensors
+from ..apply import apply_policy, check_models, make_scalers
+from ..autocast import autocast
+from ..convert import conversion_of
+from ..fp8 import Float8Config, Float8Linear, Recipe, convert_to_fp8
+from ..keep import kept_modules
+from ..policy import OPT_LEVELS, Policy, get_policy
+from . import numerics as nx
+from .advice import Context, advise
+from .flops import FlopCounter
+from .nonfinite import watch
+from .report import ModuleStats, Report
+
+LossFn = Callable[[Any, Any], Tensor]
+FP8_POLICIES = tuple(f"fp8-{recipe.value}" for recipe in Recipe)
+
+
+class _Setup:
+    """The validated request: what to run, where, and with which casts."""
+
+    def __init__(self, name: str, policy: Policy, fp8_recipe: Optional[str],
+                 device: torch.device, loss_fn: Optional[LossFn], kept: frozenset[str]) -> None:
+        self.name, self.policy, self.fp8_recipe = name, policy, fp8_recipe
+        self.device, self.loss_fn = device, loss_fn
+        # The dtype values meet under the policy; a pure-fp32 policy casts nothing, and
+        # neither do modules ampkit.keep_fp32 selected (they are part of the policy).
+        self.half = policy.half_dtype or torch.float32
+        self.kept = kept
+        # The first scale a GradScaler of this policy uses (2**16 dynamic, the static
+        # scale, 1.0 for none): the rule lives in ampkit.apply; get_scale() before the
+        # first step returns the initial scale without a sync.
+        self.loss_scale = make_scalers(policy, 1, device.type)[0].get_scale()
+
+    def cast_dtype(self, name: str) -> torch.dtype:
+        """The dtype module ``name``'s values are cast to under the policy."""
+        return torch.float32 if name in self.kept else self.half
+
+
+class _Module:
+    """One tracked module's numbers, summed on the device over calls and tensors."""
+
+    def __init__(self, name: str, module_type: str, device: torch.device) -> None:
+        self.name, self.type = name, module_type
+        zeros = lambda n: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+        self.refs: list[Optional[list[Tensor]]] = []  # per call, until compared
+        self.out_counts, self.out_energy = zeros(4), zeros(2)
+        self.grad_counts, self.grad_energy, self.grad_amax = zeros(4), zeros(2), zeros(1)
+        self.grad_refs: dict[str, Tensor] = {}
+        self.out_dtype: Optional[torch.dtype] = None
+        self.has_out = self.compared_out = self.compared_grad = False
+        self.calls = 0
+
+
+def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
+            policy: Union[str, Policy, None] = None, loss_fn: Optional[LossFn] = None) -> Report:
+    """Run one step in fp32 and one under ``policy`` and compare them module by module.
+
+    Args:
+        model: an fp32 model (before ``initialize``/``convert_to_fp8``); only read.
+        inputs: the batch: a tensor (``model(inputs)``), a tuple (``model(*inputs)``) or
+            a dict (``model(**inputs)``), on the model's device.
+        target: the loss target (optional).
+        policy: any name ``get_policy`` takes (O0-O3, "O2-bf16", "bf16-mixed", ...), a
+            Policy, or "fp8-tensorwise"/"fp8-delayed"/"fp8-rowwise" (Linear layers in fp8
+            under bf16 autocast, as ``ampkit bench`` runs them); None: the device's default
+            mixed policy (bf16-mixed on CPU and on CUDA with bf16, else 16-mixed).
+        loss_fn: ``loss_fn(output, target) -> loss``; default cross-entropy for an integer
+            target, MSE for a floating one, ``output.float().mean()`` without a target.
+
+    Returns:
+        A :class:`Report`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> report = inspect(model, torch.randn(4, 8), policy="bf16-mixed")
+        >>> [m.name for m in report.modules]
+        ['0', '1', '2']
+    """
+    setup = _prepare(model, inputs, policy, loss_fn)
+    with _replayable_rng(setup.device) as rewind:
+        table, ref_loss = _reference_pass(model, inputs, target, setup)
+        rewind()
+        return _policy_pass(model, inputs, target, setup, table, ref_loss)
+
+
+# --- validation ----------------------------------------------------------------------------
+def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:
+    """Check every argument before anything runs; resolve the policy and the device."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"inspect takes a torch.nn.Module, got {type(model).__name__} {model!r}")
+    check_models(model)  # refuses a DistributedDataParallel/DataParallel wrapper
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("inspect needs autograd (it runs a backward pass); valid: call it "
+                           "outside torch.inference_mode()")
+    _check_fp32_model(model)
+    device = _device_of(model, inputs)
+    name, resolved, recipe = resolve_policy(policy, device.type)
+    kept = {id(m) for m in kept_modules(model)}
+    fp32_names = frozenset(n for n, m in model.named_modules() if id(m) in kept)
+    return _Setup(name, resolved, recipe, device, loss_fn, fp32_names)
+
+
+def _check_fp32_model(model: nn.Module) -> None:
+    valid = ("valid: the fp32 model, before ampkit.initialize / convert_to_fp8 / .half() "
+             "(inspect applies the policy to its own copy)")
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device (no data to compare); "
+                             "valid: a model with real storage")
+        if param.is_floating_point() and param.dtype != torch.float32:
+            raise ValueError(f"parameter {name!r} is {param.dtype}; the reference pass must be "
+                             f"fp32; {valid}")
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            raise ValueError(f"module {name or '<model>'!r} is already a Float8Linear; {valid}")
+    if conversion_of(model) is not None:
+        raise ValueError(f"this model went through ampkit.initialize (its forward hooks cast); "
+                         f"{valid}")
+
+
+def _device_of(model: nn.Module, inputs: Any) -> torch.device:
+    for param in model.parameters():
+        return param.device
+    for tensor in iter_tensors(inputs):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def default_policy(device_type: str) -> str:
+    """The device's default mixed policy: bf16-mixed where bf16 runs natively or is the
+    autocast default (CPU), else 16-mixed (CUDA without bf16)."""
+    bf16 = (device_type == "cuda" and capability(device_type).bf16) or \
+        autocast_default_dtype(device_type) == torch.bfloat16
+    return "bf16-mixed" if bf16 else "16-mixed"
+
+
+def resolve_policy(policy: Union[str, Policy, None],
+                   device_type: str) -> tuple[str, Policy, Optional[str]]:
+    """(name, Policy, fp8 recipe or None) for ``policy``; ValueError names the valid ones."""
+    if policy is None:
+        policy = default_policy(device_type)
+    if isinstance(policy, Policy):
+        return str(policy), policy, None
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a name (str), a Policy or None, got "
+                        f"{type(policy).__name__} {policy!r}")
+    if policy.strip().partition("-")[0] == "fp8":
+        # The meaning of the fp8 names (which base policy) is decided once, by the bench.
+        from ..bench.runner import parse_policy  # late: the bench is heavy to import
+
+        spec = parse_policy(policy, device_type)
+        return spec.label, spec.policy, spec.fp8_recipe
+    try:
+        return policy.strip(), get_policy(policy), None
+    except ValueError as err:
+        raise ValueError(f"{err}; or an fp8 policy: {', '.join(FP8_POLICIES)}") from None
+
+
+# --- the two passes ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _replayable_rng(device: torch.device) -> Iterator[Callable[[], None]]:
+    """Both passes draw the same random numbers (dropout masks); the caller's RNG state
+    is restored afterwards. CPU and CUDA generators (others are not replayed)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        cpu_state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state(device) if cuda else None
+
+        def rewind() -> None:
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, device)
+
+        yield rewind
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy (nn.Parameter's deepcopy leaves .grad behind: no gradients copied)."""
+    try:
+        return copy.deepcopy(model)
+    except Exception as err:  # a model holding something deepcopy refuses
+        raise TypeError(f"inspect works on a deep copy of the model and copy.deepcopy failed "
+                        f"({type(err).__name__}: {err}); valid: a deep-copyable nn.Module") from err
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def default_loss(output: Any, target: Any) -> Tensor:
+    """Cross-entropy for an integer target, MSE for a floating one, else the mean output."""
+    if not isinstance(output, Tensor):
+        raise TypeError(f"the model returned a {type(output).__name__}, not a tensor; valid: "
+                        "pass loss_fn=(output, target) -> loss")
+    if target is None:
+        return output.float().mean()
+    if not target.is_floating_point():
+        return nn.functional.cross_entropy(output.float(), target)
+    return nn.functional.mse_loss(output.float(), target.float())
+
+
+def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
+    loss = (setup.loss_fn or default_loss)(output, target)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"the loss must be a tensor with one element, got {loss!r}; valid: "
+                         "a scalar loss (reduce it, e.g. .mean())")
+    return loss
+
+
+def _reference_pass(model: nn.Module, inputs: Any, target: Any,
+                    setup: _Setup) -> tuple[dict[str, _Module], Tensor]:
+    """fp32 forward+backward on a copy; keeps reference outputs and gradients only."""
+    work = _copy(model)
+    table: dict[str, _Module] = {}
+    handles = _install(work, table, setup, reference=True)
+    try:
+        with torch.enable_grad():
+            loss = _loss(_forward(work, inputs), target, setup)
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    _keep_reference_grads(work, table, setup)
+    return table, loss.detach()
+
+
+def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
+                 table: dict[str, _Module], ref_loss: Tensor) -> Report:
+    """The same step under the policy, compared as it runs; builds the report."""
+    work = _copy(model)
+    fp8_layers = _apply(work, setup)
+    handles = _install(work, table, setup, reference=False)
+    counter = FlopCounter()
+    try:
+        with watch(work) as watcher, counter, torch.enable_grad():
+            loss = _loss(_forward(work, inputs), target, setup)
+            # As GradScaler.scale does; the gradient comparison divides the scale out.
+            (loss * setup.loss_scale).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    _compare_grads(work, table, setup)
+    nonfinite = {name for _, name in watcher.nonfinite()}
+    stats, grad_amax = _finish(table, nonfinite)
+    losses = torch.stack([ref_loss.double(), loss.detach().double()]).tolist()  # host sync
+    ctx = Context(setup.name, setup.policy.half_dtype, setup.loss_scale,
+                  setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
+                  ref_finite=math.isfinite(losses[0]),
+                  kept=setup.kept, fp8_layers=fp8_layers, grad_amax=grad_amax)
+    return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
+                  setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
+
+
+def _apply(work: nn.Module, setup: _Setup) -> frozenset[str]:
+    """Apply the policy to the copy; the names of its fp8 layers."""
+    if setup.fp8_recipe is not None:
+        # Emulated where there are no fp8 tensor cores: the same numerics, which is
+        # what a report is about (so no emulation warning).
+        emulate = None if fp8_supported(str(setup.device)) else True
+        convert_to_fp8(work, recipe=Float8Config(setup.fp8_recipe, emulate=emulate))
+    apply_policy(setup.policy, work)
+    return frozenset(name for name, m in work.named_modules() if isinstance(m, Float8Linear))
+
+
+def _bf16_name(setup: _Setup) -> Optional[str]:
+    """The same policy in bf16, for advice (None when the policy is not fp16)."""
+    if setup.policy.half_dtype != torch.float16:
+        return None
+    level = setup.name.partition("-")[0]
+    if level in OPT_LEVELS:
+        return f"{level}-bf16"
+    # bf16 needs no loss scaling (fp32's exponent range): the bf16 presets have none.
+    presets = {"16-mixed": "bf16-mixed", "fp16-mixed": "bf16-mixed", "16-true": "bf16-true"}
+    return presets.get(setup.name, str(setup.policy.with_half_dtype(torch.bfloat16)))
+
+
+# --- hooks: reference outputs, then comparisons --------------------------------------------
+def tracked(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a report has a row for: those with parameters of their own, and leaves."""
+    return [(name, m) for name, m in model.named_modules()
+            if next(m.parameters(recurse=False), None) is not None
+            or next(m.children(), None) is None]
+
+
+def _install(model: nn.Module, table: dict[str, _Module], setup: _Setup,
+             reference: bool) -> list[RemovableHandle]:
+    hook = _record_reference if reference else _compare_output
+    return [module.register_forward_hook(
+        lambda mod, args, out, name=name: hook(name, mod, out, table, setup))
+        for name, module in tracked(model)]
+
+
+def _floats(output: Any) -> list[Tensor]:
+    return [t for t in iter_tensors(output) if t.is_floating_point()]
+
+
+def _record_reference(name: str, module: nn.Module, output: Any,
+                      table: dict[str, _Module], setup: _Setup) -> None:
+    if name not in table:  # first call: its place in execution order
+        table[name] = _Module(name, type(module).__name__, setup.device)
+    entry, values = table[name], _floats(output)
+    with torch.no_grad(), autocast(setup.device.type, enabled=False):
+        for value in values:
+            entry.out_counts += nx.cast_counts(value, setup.cast_dtype(name))
+    entry.has_out = entry.has_out or bool(values)
+    # A copy: a later in-place op (ReLU(inplace=True)) would change the output itself.
+    entry.refs.append([v.detach().clone() for v in values])
+
+
+def _compare_output(name: str, module: nn.Module, output: Any,
+                    table: dict[str, _Module], setup: _Setup) -> None:
+    entry = table.get(name)
+    if entry is None:  # did not run in the reference pass
+        return
+    entry.type = type(module).__name__
+    call, entry.calls = entry.calls, entry.calls + 1
+    refs = entry.refs[call] if call < len(entry.refs) else None
+    if refs is None:
+        return
+    entry.refs[call] = None  # compared: free the reference copy
+    values = _floats(output)
+    entry.out_dtype = entry.out_dtype or nx.first_floating(values)
+    with torch.no_grad(), autocast(setup.device.type, enabled=False):
+        for value, ref in zip(values, refs):
+            if value.shape == ref.shape:
+                entry.out_energy += nx.error_energy(value, ref)
+                entry.compared_out = True
+
+
+def _own_grads(module: nn.Module) -> dict[str, Tensor]:
+    return {name: p.grad for name, p in module.named_parameters(recurse=False)
+            if p.grad is not None}
+
+
+@torch.no_grad()
+def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+    for name, module in tracked(work):
+        entry = table.get(name)
+        if entry is None:
+            continue
+        entry.grad_refs = _own_grads(module)
+        for grad in entry.grad_refs.values():
+            # What the policy's backward holds: the gradient times the loss scale, cast.
+            entry.grad_counts += nx.cast_counts(grad * setup.loss_scale, setup.cast_dtype(name))
+            entry.grad_amax = torch.maximum(entry.grad_amax, grad.abs().amax().double())
+
+
+@torch.no_grad()
+def _compare_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+    for name, module in tracked(work):
+        entry = table.get(name)
+        if entry is None:
+            continue
+        grads = _own_grads(module)
+        for pname, ref in entry.grad_refs.items():
+            grad = grads.get(pname)
+            if grad is not None and grad.shape == ref.shape:
+                entry.grad_energy += nx.error_energy(grad.double() / setup.loss_scale, ref)
+                entry.compared_grad = True
+        entry.grad_refs = {}
+
+
+def _finish(table: dict[str, _Module],
+            nonfinite: set[str]) -> tuple[list[ModuleStats], dict[str, float]]:
+    """Read every module's sums back in one transfer and turn them into ModuleStats."""
+    entries = list(table.values())
+    if not entries:
+        return [], {}
+    rows = torch.stack([torch.cat([e.out_counts, e.out_energy, e.grad_counts, e.grad_energy,
+                                   e.grad_amax]) for e in entries]).tolist()  # host sync
+    stats = [_stats(e, row, e.name in nonfinite) for e, row in zip(entries, rows)]
+    return stats, {e.name: row[12] for e, row in zip(entries, rows)}
+
+
+def _stats(e: _Module, row: list[float], nonfinite: bool) -> ModuleStats:
+    nonzero, under, finite, over, signal, noise = row[0:6]
+    g_nonzero, g_under, g_finite, g_over, g_signal, g_noise = row[6:12]
+    has_grad = g_nonzero + g_finite > 0 or e.compared_grad
+    return ModuleStats(
+        name=e.name, type=e.type, out_dtype=e.out_dtype,
+        out_sqnr_db=nx.sqnr_db(signal, noise) if e.compared_out else None,
+        underflow=nx.fraction(under, nonzero) if e.has_out else None,
+        overflow=nx.fraction(over, finite) if e.has_out else None,
+        grad_sqnr_db=nx.sqnr_db(g_signal, g_noise) if e.compared_grad else None,
+        grad_underflow=nx.fraction(g_under, g_nonzero) if has_grad else None,
+        grad_overflow=nx.fraction(g_over, g_finite) if has_grad else None,
+        nonfinite=nonfinite)

@@ -1,0 +1,242 @@
+"""``watch``: which module first produced a non-finite output or gradient.
+
+Cost model: per module output, input gradient and parameter gradient, one reduction
+kernel (``aminmax``: both are finite exactly when every element is) is launched and its
+two 0-dim results kept on the device; every 512 of them are folded into one bool vector
+(one stack, one isfinite). Nothing is read back to the host while the block runs; at
+exit one ``.item()`` reads the index of the first non-finite event: the one host sync.
+
+Attribution: forward events are module outputs, in the order they were produced (a
+child's before its parent's). Backward events are the gradients a module produces: those
+of its own parameters and of its floating inputs, in the order autograd computes them.
+An input shared by a module and its first child (``Block(x)`` calls ``self.fc(x)``) is
+attributed to the innermost module that took it.
+"""
+
+from __future__ import annotations
+
+import functools
+from array import array
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._dtypes import iter_tensors
+
+FORWARD, BACKWARD = "forward", "backward"
+_PHASES = (FORWARD, BACKWARD)
+_FOLD = 512  # 0-dim flags kept before folding them into one vector (bounds the list)
+_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NOT_EXITED = "the with block has not exited yet"
+
+
+class NonFiniteError(RuntimeError):
+    """A module's forward output or backward gradient became inf or NaN.
+
+    Attributes:
+        phase: "forward" or "backward".
+        name: the module's name in ``model.named_modules()`` ("" for the model itself).
+    """
+
+    def __init__(self, phase: str, name: str, module_type: str) -> None:
+        what = "output" if phase == FORWARD else "gradient (of its parameters or inputs)"
+        super().__init__(f"module {name or '<model>'!r} ({module_type}) produced a non-finite "
+                         f"{what} in the {phase} pass first; inspect it with "
+                         "ampkit.diagnose.inspect(model, inputs, target, policy=...)")
+        self.phase = phase
+        self.name = name
+
+
+class _Flags:
+    """Finiteness of each recorded event, kept on the device; the host keeps event codes."""
+
+    def __init__(self) -> None:
+        self._pending: list[Tensor] = []
+        self._folded: list[Tensor] = []
+        self.codes = array("i")  # module index * 2 + phase index, one per pending value
+
+    def record(self, code: int, tensor: Tensor) -> None:
+        if tensor.dtype not in _CHECKED or tensor.numel() == 0:
+            return
+        # One reduction kernel, no sync: min and max are finite exactly when every element
+        # is (NaN propagates, +inf shows in the max, -inf in the min). detach: no autograd
+        # node, which would keep the tensor alive. (The inf-norm is one kernel too, but
+        # ~20x slower on CPU; a sum can overflow from finite values.)
+        low, high = torch.aminmax(tensor.detach())
+        self._pending += (low, high)
+        self.codes.extend((code, code))
+        if len(self._pending) >= _FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._pending:
+            self._folded.append(torch.stack(self._pending).isfinite())
+            self._pending.clear()
+
+    def finite(self) -> Optional[Tensor]:
+        """One bool per event (True: finite), still on the device; None without events."""
+        self._fold()
+        if not self._folded:
+            return None
+        self._folded = [torch.cat(self._folded)]
+        return self._folded[0]
+
+
+class Watch:
+    """The context manager :func:`watch` returns; read ``first_nonfinite`` after exit."""
+
+    def __init__(self, model: nn.Module, *, raise_on_nonfinite: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"watch takes a torch.nn.Module, got {type(model).__name__} {model!r}")
+        if not isinstance(raise_on_nonfinite, bool):
+            raise TypeError(f"raise_on_nonfinite must be True or False, got {raise_on_nonfinite!r}")
+        self._model = model
+        self._raise = raise_on_nonfinite
+        self._named = list(model.named_modules())
+        self._params = _owned_params(self._named)
+        self._handles: list[RemovableHandle] = []
+        self._flags = _Flags()
+        self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._open = False
+        self._first: Any = _NOT_EXITED
+
+    @property
+    def first_nonfinite(self) -> Optional[tuple[str, str]]:
+        """None, or (phase, name) of the first non-finite event; read after exit."""
+        if self._first is _NOT_EXITED:
+            raise RuntimeError("watch(...).first_nonfinite is known once the with block has "
+                               "exited (it is read from the device then, in one sync)")
+        return self._first
+
+    def __enter__(self) -> "Watch":
+        if self._open:
+            raise RuntimeError("this watch is already open; valid: one with block at a time")
+        self._flags, self._cells, self._first = _Flags(), WeakIdKeyDictionary(), _NOT_EXITED
+        self._handles = self._install()
+        self._open = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._open = False
+        try:
+            self._first = self._read_first()
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+        if self._raise and self._first is not None and exc_type is None:
+            phase, name = self._first
+            raise NonFiniteError(phase, name, type(self._model.get_submodule(name)).__name__)
+
+    def nonfinite(self) -> list[tuple[str, str]]:
+        """Every (phase, name) that saw a non-finite value, in event order, each once.
+
+        Reads the whole flag vector back: one more host sync (diagnostics, not per step).
+        """
+        finite = self._flags.finite()
+        if finite is None:
+            return []
+        flags = finite.tolist()  # host sync
+        found = [self._event(code) for code, ok in zip(self._flags.codes, flags) if not ok]
+        return list(dict.fromkeys(found))
+
+    def _read_first(self) -> Optional[tuple[str, str]]:
+        finite = self._flags.finite()
+        if finite is None:
+            return None
+        bad = ~finite
+        # argmax of a 0/1 vector is its first 1; -1 when there is none.
+        first = torch.where(bad.any(), bad.byte().argmax(), -1)
+        index = int(first.item())  # the one host sync
+        return None if index < 0 else self._event(self._flags.codes[index])
+
+    def _event(self, code: int) -> tuple[str, str]:
+        return _PHASES[code % 2], self._named[code // 2][0]
+
+    def _install(self) -> list[RemovableHandle]:
+        """Register every hook. The callables hold ``self``; only the hook dicts hold them,
+        so removing the hooks at exit leaves no reference cycle for the GC to collect."""
+        handles = []
+        for index, (_, module) in enumerate(self._named):
+            handles.append(module.register_forward_pre_hook(
+                functools.partial(self._on_inputs, index), with_kwargs=True))
+            handles.append(module.register_forward_hook(functools.partial(self._on_output, index)))
+        for param, code in self._params:
+            handles.append(param.register_hook(functools.partial(self._on_grad, code)))
+        return handles
+
+    def _on_output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        # Also a container returning its child's output: in-place ops in between
+        # (``out += identity``) would otherwise go unseen.
+        if self._open:
+            for tensor in iter_tensors(output):
+                self._flags.record(2 * index, tensor)
+
+    def _on_grad(self, code: int, grad: Tensor) -> None:
+        if self._open:
+            self._flags.record(code, grad)
+
+    def _on_input_grad(self, cell: list[int], grad: Tensor) -> None:
+        if self._open:
+            self._flags.record(2 * cell[0] + 1, grad)
+
+    def _inside(self, index: int, outer: int) -> bool:
+        """Whether module ``index`` is inside module ``outer`` (by name).
+
+        The same tensor reaching a module that is not inside the last one to take it was
+        modified in place in between (``ReLU(inplace=True)``): it gets a hook of its own.
+        """
+        outer_name = self._named[outer][0]
+        return outer_name == "" or self._named[index][0].startswith(outer_name + ".")
+
+    def _on_inputs(self, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._open:
+            return
+        for tensor in iter_tensors((args, kwargs)):
+            if not (tensor.requires_grad and tensor.dtype in _CHECKED):
+                continue
+            cell = self._cells.get(tensor)
+            if cell is not None and self._inside(index, cell[0]):
+                cell[0] = index  # an outer module took it first: the inner one owns it
+                continue
+            cell = [index]
+            self._cells[tensor] = cell
+            # Removed at exit (a leaf input, say the user's x, would keep it for good);
+            # a hook left on an intermediate's graph node is a no-op once closed.
+            self._handles.append(tensor.register_hook(functools.partial(self._on_input_grad, cell)))
+
+
+def _owned_params(named: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, int]]:
+    """(parameter, backward event code) for each trainable parameter, owned by the first
+    module that has it (a shared one is reported once)."""
+    owner: dict[int, tuple[nn.Parameter, int]] = {}
+    for index, (_, module) in enumerate(named):
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in owner:
+                owner[id(param)] = (param, 2 * index + 1)
+    return list(owner.values())
+
+
+def watch(model: nn.Module, *, raise_on_nonfinite: bool = False) -> Watch:
+    """Record, on the device, the first module whose output or gradient becomes non-finite.
+
+    Args:
+        model: the model to watch (every submodule, the model itself included).
+        raise_on_nonfinite: the exit raises :class:`NonFiniteError` naming the module and
+            the phase when one was found (not when the block itself raised).
+
+    Returns:
+        A context manager; its ``first_nonfinite`` is None or ("forward"|"backward",
+        name), read after exit. Hooks are removed at exit, also when the block raises.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> with watch(model) as w:
+        ...     model(torch.ones(2, 4)).sum().backward()
+        >>> w.first_nonfinite is None
+        True
+    """
+    return Watch(model, raise_on_nonfinite=raise_on_nonfinite)

@@ -1,0 +1,420 @@
+"""ampkit.diagnose: inspect (per-module numerics against fp32), watch (non-finite locator).
+
+Each model is built so the expected numbers are exact: a layer whose every output is
+1.2e5 overflows fp16 (max 65504) and not bf16; one whose every output is 4e-9 flushes
+to zero in fp16 (smallest subnormal 6e-8) and not in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampkit
+from ampkit.diagnose import ModuleStats, NonFiniteError, Report, inspect, watch
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant (a leaf without parameters)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def constant_linear(n_in: int, n_out: int, value: float) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False)
+    nn.init.constant_(layer.weight, value)
+    return layer
+
+
+def overflow_model() -> nn.Sequential:
+    """'0' outputs 4 * 3e4 = 1.2e5 everywhere (inf in fp16); '1' scales it back down."""
+    return nn.Sequential(constant_linear(4, 8, 3e4), Scale(1e-5), nn.Linear(8, 2)).train()
+
+
+def underflow_model() -> nn.Sequential:
+    """'0' outputs 4 * 1e-9 everywhere (0 in fp16); the loss is the mean output."""
+    return nn.Sequential(constant_linear(4, 8, 1e-9), nn.Tanh())
+
+
+def stats(report: Report, name: str) -> ModuleStats:
+    return next(m for m in report.modules if m.name == name)
+
+
+X = torch.ones(3, 4)
+
+
+# --- inspect: numbers ---------------------------------------------------------------------
+def test_fp16_overflow_is_found_in_the_layer_that_overflows_and_not_in_bf16():
+    fp16 = inspect(overflow_model(), X, policy="16-mixed")
+    assert stats(fp16, "0").overflow == 1.0 and stats(fp16, "0").underflow == 0.0
+    assert stats(fp16, "0").out_dtype == torch.float16 and stats(fp16, "0").nonfinite
+    assert stats(fp16, "0").out_sqnr_db == -math.inf
+    assert fp16.first_nonfinite == ("forward", "0")
+    assert math.isfinite(fp16.ref_loss) and not math.isfinite(fp16.policy_loss)
+    assert any("keep_fp32(model, ['0'])" in s and "'bf16-mixed'" in s for s in fp16.advice)
+    bf16 = inspect(overflow_model(), X, policy="bf16-mixed")
+    assert stats(bf16, "0").overflow == 0.0 and stats(bf16, "0").underflow == 0.0
+    assert bf16.first_nonfinite is None and not any(m.nonfinite for m in bf16.modules)
+    assert stats(bf16, "0").out_sqnr_db > 40
+
+
+def test_fp16_underflow_is_found_and_bf16_keeps_the_values():
+    fp16 = inspect(underflow_model(), X, policy="16-mixed")
+    tiny = stats(fp16, "0")
+    assert tiny.underflow == 1.0 and tiny.overflow == 0.0
+    assert tiny.out_sqnr_db == 0.0  # every output became 0: the error is the whole signal
+    assert fp16.first_nonfinite is None
+    assert any("'0'" in s and "flush to zero" in s for s in fp16.advice)
+    bf16 = inspect(underflow_model(), X, policy="bf16-mixed")
+    assert stats(bf16, "0").underflow == 0.0 and stats(bf16, "0").out_sqnr_db > 40
+
+
+def test_gradient_overflow_at_the_initial_loss_scale_advises_a_lower_init_scale():
+    model = nn.Sequential(nn.Linear(4, 1))
+    # d mean(out) / d weight = 100 (and 1 for the bias): times 2**16 both overflow fp16.
+    report = inspect(model, torch.full((2, 4), 100.0), policy="16-mixed")
+    layer = stats(report, "0")
+    assert report.loss_scale == 2.0**16
+    assert layer.grad_overflow == 1.0 and layer.grad_underflow == 0.0
+    assert report.first_nonfinite == ("backward", "0")
+    assert any("init_scale=512" in s for s in report.advice)  # 65504 / 100 -> 2**9
+
+
+def test_gradient_underflow_without_loss_scaling_advises_dynamic_scaling():
+    model = nn.Sequential(nn.Linear(4, 1))
+    report = inspect(model, torch.full((2, 4), 1e-9), policy="16-true")
+    assert report.loss_scale == 1.0
+    assert stats(report, "0").grad_underflow == pytest.approx(0.8)  # the weight's 4 of 5
+    assert any("dynamic loss scaling" in s and "'0'" in s for s in report.advice)
+
+
+def test_pure_fp32_policy_is_identical_to_the_reference():
+    # ReLU(inplace=True) overwrites '0''s output after its hook: the reference is a copy.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    report = inspect(model, torch.randn(3, 4), policy="O0")
+    for m in report.modules:
+        assert m.out_sqnr_db == math.inf and m.underflow == 0.0 and m.overflow == 0.0
+    assert report.flops.keys() == {"float32"} and report.low_precision_share == 0.0
+    assert report.ref_loss == report.policy_loss
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * math.inf
+
+
+class InfGrad(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfGrad.apply(x)
+
+
+def backward_nonfinite_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), InfGrad(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("policy", ["O0", "bf16-mixed"])
+def test_a_backward_only_nonfinite_is_located_in_the_module_that_made_it(policy):
+    report = inspect(backward_nonfinite_model(), X, policy=policy)
+    assert report.first_nonfinite == ("backward", "1")
+    assert stats(report, "1").nonfinite and not stats(report, "2").nonfinite
+    assert stats(report, "0").nonfinite  # its weight gradient is inf downstream of it
+    assert math.isfinite(report.policy_loss)
+
+
+def test_kept_fp32_module_reports_fp32_output_and_fp32_flops():
+    batch, n_in, hidden, n_out = 4, 8, 16, 2
+    model = nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
+    ampkit.keep_fp32(model, ["0"])
+    report = inspect(model, torch.randn(batch, n_in), torch.tensor([0, 1, 1, 0]),
+                     policy="bf16-mixed")
+    kept = stats(report, "0")
+    assert kept.out_dtype == torch.float32 and kept.out_sqnr_db == math.inf
+    assert stats(report, "2").out_dtype == torch.bfloat16
+    # kept: forward and weight gradient (x needs no gradient); head: forward, both grads.
+    assert report.flops == {"float32": 2 * 2 * batch * n_in * hidden,
+                            "bfloat16": 3 * 2 * batch * hidden * n_out}
+    assert not any("keep_fp32(model, ['0'])" in s for s in report.advice)
+
+
+def test_following_the_keep_fp32_advice_clears_the_overflow():
+    model = ampkit.keep_fp32(overflow_model(), ["0"])
+    report = inspect(model, X, policy="16-mixed")
+    kept = stats(report, "0")
+    assert kept.out_dtype == torch.float32 and kept.overflow == 0.0 and not kept.nonfinite
+    assert report.first_nonfinite is None and math.isfinite(report.policy_loss)
+    assert report.advice == ["No module overflows, underflows or falls below 20 dB SQNR under "
+                             "16-mixed: keep the policy '16-mixed'."]
+
+
+def test_fp8_layers_report_sqnr_and_fp8_flops():
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    report = inspect(model, torch.randn(16, 32), policy="fp8-tensorwise")
+    layer = stats(report, "0")
+    assert layer.type == "Float8Linear" and 15 < layer.out_sqnr_db < 45
+    assert report.flops.keys() == {"float8_e4m3fn", "float8_e5m2"}
+    assert report.low_precision_share == 1.0
+    assert type(model[0]) is nn.Linear  # the caller's model was not converted
+
+
+def test_rowwise_fp8_counts_every_gemm_in_e4m3():
+    model = nn.Sequential(nn.Linear(32, 32))
+    report = inspect(model, torch.randn(16, 32), policy="fp8-rowwise")
+    assert report.flops == {"float8_e4m3fn": 2 * 16 * 32 * 32 * 2}  # forward + weight grad
+
+
+def test_default_policy_on_cpu_is_bf16_mixed_and_o_level_suffixes_work():
+    assert inspect(underflow_model(), X).policy == "bf16-mixed"
+    report = inspect(underflow_model(), X, policy="O2-bf16")
+    assert stats(report, "0").out_dtype == torch.bfloat16 and report.half_dtype == torch.bfloat16
+
+
+def test_modules_are_listed_in_execution_order_with_params_or_leaves():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Linear(4, 4)
+            self.a = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.gain = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.b(self.a(x)) * self.gain
+
+    report = inspect(Net(), X, policy="bf16-mixed")
+    assert [m.name for m in report.modules] == ["a.0", "a.1", "b", ""]
+    assert stats(report, "a.1").grad_sqnr_db is None and stats(report, "").grad_sqnr_db is not None
+
+
+# --- inspect: the caller's model is left exactly as it was ----------------------------------
+def snapshot(model: nn.Module) -> dict:
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
+            "buffers": {k: v.clone() for k, v in model.named_buffers()},
+            "grads": {k: (v.grad, None if v.grad is None else v.grad.clone())
+                      for k, v in model.named_parameters()},
+            "modes": [m.training for m in model.modules()],
+            "hooks": [(dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+                      for m in model.modules()],
+            "param_hooks": [p._backward_hooks for p in model.parameters()],
+            "rng": torch.get_rng_state()}
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    for kind in ("params", "buffers"):
+        assert before[kind].keys() == after[kind].keys()
+        for key, value in before[kind].items():
+            assert value.dtype == after[kind][key].dtype and torch.equal(value, after[kind][key]), key
+    for key, (grad, value) in before["grads"].items():
+        assert after["grads"][key][0] is grad, key
+        assert grad is None or torch.equal(grad, value), key
+    for kind in ("modes", "hooks", "param_hooks"):
+        assert after[kind] == before[kind], kind
+    assert torch.equal(after["rng"], before["rng"])
+
+
+@pytest.mark.parametrize("policy", ["O2", "16-mixed", "fp8-delayed"])
+def test_the_model_is_left_exactly_as_it_was(policy):
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.2),
+                          nn.Linear(32, 16), nn.LayerNorm(16))
+    model[4].eval()  # a mix of modes must come back as it was
+    model(torch.randn(8, 16)).sum().backward()  # existing .grads
+    model[0].register_forward_hook(lambda *a: None)
+    model[3].register_forward_pre_hook(lambda *a: None)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    before = snapshot(model)
+    inspect(model, x, y, policy=policy)
+    assert_unchanged(model, before)
+
+
+def test_batch_norm_statistics_in_training_mode_are_restored_bitwise():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).train()
+    model[1].running_mean.normal_()
+    before = [b.clone() for b in model[1].buffers()]
+    report = inspect(model, torch.randn(6, 4), torch.tensor([0, 1] * 3), policy="bf16-mixed")
+    assert [m.name for m in report.modules] == ["0", "1", "2"]
+    for old, new in zip(before, model[1].buffers()):
+        assert torch.equal(old, new)
+    assert model[1].num_batches_tracked.item() == 0 and model.training
+
+
+def test_dropout_masks_are_the_same_in_both_passes():
+    model = nn.Sequential(nn.Dropout(0.5), nn.Linear(64, 64)).train()
+    report = inspect(model, torch.randn(32, 64), policy="O0")
+    assert stats(report, "0").out_sqnr_db == math.inf  # different masks would be ~0 dB
+
+
+# --- inspect: output forms and bad input ----------------------------------------------------
+def test_to_dict_is_json_with_the_field_names_and_str_is_a_table_worst_first():
+    report = inspect(overflow_model(), X, policy="16-mixed")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert set(data["modules"][0]) == set(ModuleStats.__dataclass_fields__)
+    assert data["first_nonfinite"] == ["forward", "0"] and data["modules"][0]["out_dtype"] == "float16"
+    assert {"flops", "low_precision_share", "advice", "policy"} <= data.keys()
+    lines = str(report).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("module"))
+    assert "out SQNR dB" in lines[header] and lines[header + 1].split()[0] == "0"
+    assert "Advice:" in lines
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"policy": "O9"}, ValueError, r"unknown policy 'O9'.*fp8-tensorwise"),
+    ({"policy": "fp8-blockwise"}, ValueError, r"'blockwise'.*tensorwise"),
+    ({"policy": 16}, TypeError, r"policy must be a name.*16"),
+    ({"loss_fn": "mse"}, TypeError, r"loss_fn must be a callable.*'mse'"),
+])
+def test_bad_arguments_raise_naming_the_value_and_the_choices(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        inspect(nn.Linear(4, 2), X, **kwargs)
+
+
+def test_a_half_or_initialized_model_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match=r"'weight' is torch.float16.*fp32 model"):
+        inspect(nn.Linear(4, 2).half(), X)
+    model = ampkit.initialize(nn.Linear(4, 2), opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match="ampkit.initialize"):
+        inspect(model, X)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        inspect(lambda x: x, X)
+
+
+# --- watch -------------------------------------------------------------------------------
+def hook_counts(model: nn.Module) -> list[int]:
+    return ([len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+            + [len(p._backward_hooks or {}) for p in model.parameters()])
+
+
+def test_watch_finds_the_first_nonfinite_forward_and_backward_module():
+    model = overflow_model().half()
+    with watch(model) as w:
+        model(X.half()).float().sum().backward()
+    assert w.first_nonfinite == ("forward", "0")
+    model = backward_nonfinite_model()
+    with watch(model) as w:
+        model(X).sum().backward()
+    assert w.first_nonfinite == ("backward", "1")
+    with watch(model) as w:
+        model(X)
+    assert w.first_nonfinite is None
+
+
+def test_watch_blames_the_innermost_module_for_a_shared_input_gradient():
+    class Block(nn.Module):  # its input is also its child's input
+        def __init__(self) -> None:
+            super().__init__()
+            self.bad = InfGrad()
+
+        def forward(self, x):
+            return self.bad(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Block(), nn.Linear(4, 2))
+    with watch(model) as w:
+        model(X).sum().backward()
+    assert w.first_nonfinite == ("backward", "1.bad")
+
+
+def test_watch_sees_an_in_place_change_of_a_child_output_in_its_parent():
+    class Block(nn.Module):  # returns its child's output tensor, changed in place
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            out = self.fc(x)
+            out.mul_(math.inf)
+            return out
+
+    model = nn.Sequential(Block(), nn.Linear(4, 2))
+    with watch(model) as w:
+        model(X)
+    assert w.first_nonfinite == ("forward", "0")
+
+
+def test_watch_raises_nonfinite_error_naming_module_and_phase_and_removes_hooks():
+    model = backward_nonfinite_model()
+    clean = hook_counts(model)
+    x = X.clone().requires_grad_()
+    with pytest.raises(NonFiniteError, match=r"'1' \(InfGrad\).*backward") as info:
+        with watch(model, raise_on_nonfinite=True):
+            model(x).sum().backward()
+    assert (info.value.phase, info.value.name) == ("backward", "1")
+    assert hook_counts(model) == clean and not x._backward_hooks
+
+
+def test_watch_removes_hooks_when_the_block_raises_and_keeps_that_exception():
+    model = overflow_model()
+    clean = hook_counts(model)
+    with pytest.raises(KeyError, match="from the body"):
+        with watch(model, raise_on_nonfinite=True) as w:
+            model(X * math.inf)
+            assert hook_counts(model) != clean  # installed while open
+            raise KeyError("from the body")
+    assert hook_counts(model) == clean
+    assert w.first_nonfinite == ("forward", "0")  # still recorded
+
+
+def test_watch_first_nonfinite_is_read_after_exit_and_bad_arguments_raise():
+    model = nn.Linear(4, 2)
+    with watch(model) as w:
+        with pytest.raises(RuntimeError, match="exited"):
+            w.first_nonfinite
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        watch("model")
+    with pytest.raises(TypeError, match="raise_on_nonfinite.*'yes'"):
+        watch(model, raise_on_nonfinite="yes")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that read a device value back to the host."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo import (seconds) for an eager counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def test_watch_syncs_with_the_host_once_per_block(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    listed = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: listed.append(1) or [])
+    with SyncCounter() as counter:
+        for _ in range(3):
+            with watch(model) as w:
+                model(torch.randn(5, 4)).sum().backward()
+        body_only = counter.count
+        with watch(model):
+            model(torch.randn(5, 4)).sum().item()  # the body's own sync is seen too
+    assert w.first_nonfinite is None
+    assert body_only == 3 and counter.count == 5 and not listed
+
+
+def test_watch_folds_long_blocks_and_still_finds_the_first_event():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with watch(model) as w:
+        for _ in range(400):  # 1200 forward events: folded on the device twice
+            model(X)
+        model(X * math.nan)
+    assert w.first_nonfinite == ("forward", "0")
