@@ -408,6 +408,8 @@ def _strict_scaled_mm(tuple_result: bool):
         calls.append((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, use_fast_accum))
         try:
             out = _REAL_SCALED_MM(a, b, scale_a, scale_b, out_dtype=out_dtype)
+        except NotImplementedError:  # torch 2.5: no CPU kernel at all; the same math in fp32
+            out = (torch.mm(a.float(), b.float()) * (scale_a * scale_b)).to(out_dtype)
         except RuntimeError:  # older CPU _scaled_mm: per-tensor scales only; same math in fp32
             assert scale_a.numel() > 1
             out = (torch.mm(a.float(), b.float()) * (scale_a * scale_b)).to(out_dtype)

@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from . import _torch_compat
+
 DtypeLike = Union[torch.dtype, str]
 
 # One alias table for every dtype ampkit accepts by name (jmp-style).
@@ -128,8 +130,8 @@ def check_device_type(device_type: str) -> str:
 def autocast_default_dtype(device_type: str) -> torch.dtype:
     """torch's default autocast dtype for a device type (fp16 on CUDA, bf16 on CPU)."""
     try:
-        return torch.get_autocast_dtype(device_type)
-    except (AttributeError, RuntimeError):  # torch < 2.4 or an exotic backend
+        return _torch_compat.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type without autocast
         return torch.float16 if device_type == "cuda" else torch.bfloat16
 
 
@@ -166,17 +168,13 @@ def capability(device: Optional[str] = None) -> Capability:
 
 
 def _cpu_flags() -> dict:
-    getter = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
-    if getter is None:  # older torch: no way to ask, assume no half hardware
-        return {}
-    flags = getter()
-    return flags if isinstance(flags, dict) else {}
+    return _torch_compat.cpu_capabilities()  # {} where torch cannot say: no half hardware assumed
 
 
 def fp8_supported(device: Optional[str] = None) -> bool:
     """True when the device has fp8 tensor cores that ``torch._scaled_mm`` can use."""
     dev = torch.device(device or default_device_type())
-    return dev.type == "cuda" and hasattr(torch, "_scaled_mm") and capability(str(dev)).fp8
+    return dev.type == "cuda" and capability(str(dev)).fp8  # _scaled_mm: every supported torch
 
 
 def recommend_policy(device: Optional[str] = None) -> tuple[str, str]:

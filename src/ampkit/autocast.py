@@ -17,32 +17,59 @@ from torch.amp.autocast_mode import autocast as _TorchAutocast
 
 from . import _state, overrides
 from ._dtypes import HALF_DTYPES, autocast_default_dtype, check_device_type, resolve_dtype
+from ._torch_compat import (
+    autocast_decrement_nesting,
+    autocast_increment_nesting,
+    clear_autocast_cache,
+    get_autocast_dtype,
+    is_autocast_cache_enabled,
+    is_autocast_enabled,
+    is_compiling,
+    is_torch_function_mode_enabled,
+    privateuse1_backend_name,
+    resolve_autocast,
+    set_autocast_cache_enabled,
+    set_autocast_dtype,
+    set_autocast_enabled,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 # fp32 and fp64 are accepted as torch accepts them: it warns and disables the region.
 _AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32, torch.float64)
 
 
-# (device_type, dtype, enabled) -> (enabled, dtype) as torch.autocast resolves them.
-# Resolving once per key keeps torch's validation while construction stays cheap. Where
-# torch disables itself (cuda without a GPU, a dtype the device lacks) it is asked again at
-# every construction, so that it warns every time, as for its own.
-_RESOLVED: dict[tuple[str, torch.dtype, bool], tuple[bool, torch.dtype]] = {}
+# (device_type, dtype, enabled[, CUDA device]) -> (enabled, dtype) as torch.autocast
+# resolves them. Resolving once per key keeps torch's validation while construction stays
+# cheap. The key holds everything torch's answer depends on: for bf16 on CUDA that is the
+# current device too (torch asks it whether it has bf16, and the device can change). Where
+# torch disables itself (cuda without a GPU or torch_xla, a dtype the device lacks) it is
+# asked again at every construction, so that it warns every time, as for its own, and
+# answers anew once that changed (a GPU made visible, torch_xla installed).
+_RESOLVED: dict[tuple, tuple[bool, torch.dtype]] = {}
 _CHECKED_DEVICES: dict[str, str] = {}
 
 
 def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
-    key = (device_type, dtype, enabled)
+    key: tuple = (device_type, dtype, enabled)
+    if device_type == "cuda" and dtype is torch.bfloat16 and enabled and not is_compiling():
+        key = (device_type, dtype, enabled, _cuda_device())
     resolved = _RESOLVED.get(key)
     if resolved is not None and resolved[0] == enabled:
         return resolved
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
         # region itself when it traces the switches set in __enter__.
         return resolved or (enabled, dtype)
-    reference = _TorchAutocast(device_type, dtype=dtype, enabled=enabled)  # warns if it disables
-    resolved = _RESOLVED[key] = (reference._enabled, reference.fast_dtype)
+    resolved = _RESOLVED[key] = resolve_autocast(device_type, dtype, enabled)  # warns if it disables
     return resolved
+
+
+def _cuda_device() -> Optional[int]:
+    """The current CUDA device, which torch.autocast asks about bf16; None without CUDA."""
+    try:
+        return torch.cuda.current_device()
+    except (AssertionError, RuntimeError):  # not compiled with CUDA, no GPU: torch disables itself
+        return None
 
 
 def _device_type(device_type: Optional[str]) -> str:
@@ -84,7 +111,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         self.cache_enabled = cache_enabled
         self._enabled, self.fast_dtype = _torch_resolution(
             self.device_type, self._resolve_dtype(dtype), enabled)
-        self._cache_enabled = (torch.is_autocast_cache_enabled() if cache_enabled is None
+        self._cache_enabled = (is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
         self._delegate: Optional[_TorchAutocast] = None
 
@@ -98,20 +125,20 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
 
     def __enter__(self) -> "autocast":
         device = self.device_type
-        if torch._C._is_torch_function_mode_enabled():
+        if is_torch_function_mode_enabled():
             # Tracing (torch.export, make_fx): let torch.autocast record the region.
             self._delegate = _TorchAutocast(device, self.fast_dtype, self._enabled,
                                             self._cache_enabled)
         else:
-            self._prev = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled(device),
-                          torch.get_autocast_dtype(device))
-            torch.autocast_increment_nesting()
+            self._prev = (is_autocast_cache_enabled(), is_autocast_enabled(device),
+                          get_autocast_dtype(device))
+            autocast_increment_nesting()
         try:  # free unless it raises: entering costs what it did
             if self._delegate is None:
                 # The same switches torch.autocast.__enter__ sets, without its per-call setup.
-                torch.set_autocast_enabled(device, self._enabled)
-                torch.set_autocast_dtype(device, self.fast_dtype)
-                torch.set_autocast_cache_enabled(self._cache_enabled)
+                set_autocast_enabled(device, self._enabled)
+                set_autocast_dtype(device, self.fast_dtype)
+                set_autocast_cache_enabled(self._cache_enabled)
             else:
                 self._delegate.__enter__()
             overrides.push_frame(device, self.fast_dtype, self._enabled)
@@ -129,12 +156,12 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
             delegate, self._delegate = self._delegate, None
             return bool(delegate.__exit__(exc_type, exc, tb))
         # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
+        if autocast_decrement_nesting() == 0:
+            clear_autocast_cache()
         cache, enabled, dtype = self._prev
-        torch.set_autocast_enabled(self.device_type, enabled)
-        torch.set_autocast_dtype(self.device_type, dtype)
-        torch.set_autocast_cache_enabled(cache)
+        set_autocast_enabled(self.device_type, enabled)
+        set_autocast_dtype(self.device_type, dtype)
+        set_autocast_cache_enabled(cache)
         return False
 
     @property
@@ -145,7 +172,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
     @property
     def custom_backend_name(self) -> str:
         """torch's name of the privateuse1 backend (torch.autocast instances carry it)."""
-        return torch._C._get_privateuse1_backend_name()
+        return privateuse1_backend_name()
 
     def __call__(self, func: F) -> F:
         if not callable(func):
@@ -165,8 +192,11 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         return decorated  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return (f"ampkit.autocast(device_type={self.device_type!r}, dtype={self.fast_dtype}, "
-                f"enabled={self.enabled})")
+        # getattr: dynamo (torch 2.5) formats its graph-break message with the repr of an
+        # instance whose __init__ it never ran; a failing repr turned the break into an error.
+        device, dtype, enabled = (getattr(self, name, "?") for name in
+                                  ("device_type", "fast_dtype", "enabled"))
+        return f"ampkit.autocast(device_type={device!r}, dtype={dtype}, enabled={enabled})"
 
 
 def _check_flags(enabled: Any, cache_enabled: Any) -> None:

@@ -25,6 +25,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree
+from ._torch_compat import (
+    local_buffers,
+    local_parameters,
+    register_load_state_dict_pre_hook,
+    register_state_dict_post_hook,
+)
 from .master import master_of
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
@@ -244,22 +250,22 @@ def _install_fp32_state_dict(model: nn.Module) -> list[RemovableHandle]:
     """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work."""
     handles = []
     for module in model.modules():
-        if not (module._parameters or module._buffers):
+        if not (local_parameters(module) or local_buffers(module)):
             continue
-        handles.append(module.register_state_dict_post_hook(_save_fp32))
-        handles.append(module.register_load_state_dict_pre_hook(_load_into_masters))
+        handles.append(register_state_dict_post_hook(module, _save_fp32))
+        handles.append(register_load_state_dict_pre_hook(module, _load_into_masters))
     return handles
 
 
 def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    for name, param in module._parameters.items():
+    for name, param in local_parameters(module).items():
         key = prefix + name
         if param is None or key not in state_dict:
             continue
         master = master_of(param)
         # The fp32 master, not the half parameter rounded from it: the exact training state.
         state_dict[key] = master.detach() if master is not None else _fp32(state_dict[key])
-    for name, buf in module._buffers.items():
+    for name, buf in local_buffers(module).items():
         key = prefix + name
         if buf is not None and key in state_dict:
             state_dict[key] = _fp32(state_dict[key])
@@ -275,7 +281,7 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
     # torch itself copies the value into the half parameter (rounding to nearest, the same
     # rounding as the master -> model copy after a step), so model == half(master) holds.
     with torch.no_grad():
-        for name, param in module._parameters.items():
+        for name, param in local_parameters(module).items():
             value = state_dict.get(prefix + name)
             master = master_of(param) if param is not None else None
             if master is not None and isinstance(value, Tensor) and value.shape == master.shape:

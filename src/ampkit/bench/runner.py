@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import HALF_DTYPES, autocast_default_dtype, fp8_supported, resolve_dtype
+from .._torch_compat import dynamo_reset
 from ..autocast import autocast
 from ..fp8 import Float8Config, Float8Linear, Recipe, convert_to_fp8
 from ..apply import apply_policy, loop_scaler
@@ -375,7 +376,7 @@ def build(spec: PolicySpec, settings: BenchSettings, workload: Workload,
     if settings.compile:
         # Each policy compiles afresh: dynamo's caches from an earlier policy's model (same
         # forward code) would count towards its recompile limit and could fall back to eager.
-        torch._dynamo.reset()
+        dynamo_reset()
         model = torch.compile(model)  # type: ignore[assignment]
     return model, optimizer, precision
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .._torch_compat import local_modules
 from ..keep import kept_modules
 from .config import Float8Config, Recipe
 from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
@@ -37,8 +38,8 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     skips: list[tuple[str, str]] = []
     kept = {id(m) for m in kept_modules(model)}
     for parent_name, parent in model.named_modules():
-        # _modules, not named_children(): that skips a layer placed in two slots.
-        for name, child in parent._modules.items():
+        # Not named_children(): that skips a layer placed in two slots.
+        for name, child in local_modules(parent).items():
             if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
                 continue
             fqn = f"{parent_name}.{name}" if parent_name else name

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import capability, fp8_supported
+from .._torch_compat import get_autocast_dtype, is_autocast_enabled, is_compiling, scaled_mm
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
@@ -95,10 +96,7 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _scaled_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
     a_data, b_data = _gemm_layout(a.data, b.data)
-    out = torch._scaled_mm(a_data, b_data, scale_a=a.inv_scale, scale_b=b.inv_scale,
-                           out_dtype=out_dtype, use_fast_accum=fast_accum)
-    # torch <= 2.4 returned (out, amax); later versions return the tensor alone.
-    return out[0] if isinstance(out, tuple) else out
+    return scaled_mm(a_data, b_data, a.inv_scale, b.inv_scale, out_dtype, fast_accum)
 
 
 def _gemm_layout(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,8 +196,8 @@ class _Fp8LinearFn(torch.autograd.Function):
 def _output_dtype(x: Tensor) -> torch.dtype:
     """The autocast dtype inside an autocast region of x's device, else x's dtype."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+    if is_autocast_enabled(device_type):
+        return get_autocast_dtype(device_type)
     return x.dtype
 
 
@@ -309,8 +307,9 @@ class Float8Linear(nn.Linear):
         self._resolve_backend()
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        # .to()/.cuda()/.half() land here: decide the backend for the new device now,
-        # in eager code, so a compiled forward only reads a Python bool.
+        # torch's private hook (_torch_compat.MODULE_APPLY_PARAMS): .to()/.cuda()/.half()
+        # land here; decide the backend for the new device now, in eager code, so a
+        # compiled forward only reads a Python bool.
         result = super()._apply(fn, recurse)
         for name in _ROLE_NAMES:
             history = getattr(self, f"amax_history_{name}")
@@ -329,7 +328,7 @@ class Float8Linear(nn.Linear):
             self._backend_device = device
             # Dynamo cannot trace warnings.warn; resolution normally happens in eager
             # code anyway (construction, .to(), the first eager forward).
-            if not self._native and self.config.emulate is None and not torch.compiler.is_compiling():
+            if not self._native and self.config.emulate is None and not is_compiling():
                 _warn_emulation_once(device)
         return self._native
 

@@ -1,0 +1,282 @@
+"""Every private or version-dependent torch API ampkit uses, in one place (STYLE rule 14).
+
+A torch release that moves or changes one of these breaks one line here, and
+``tests/test_torch_compat.py`` says which entry and on which torch. Each entry carries a
+comment: what ampkit uses it for, and the torch release it exists since (or the newest
+release known to lack it). Public, stable APIs (``torch.autocast``,
+``torch.amp.GradScaler``, ``nn.Module.register_forward_hook``...) have no entry.
+
+Version guards follow Lightning's ``_TORCH_GREATER_EQUAL_2_x``: ``TORCH_GE_2_12`` is True
+on torch 2.12 and later. The floor, ``TORCH_FLOOR``, is the oldest torch the suite passes
+on (``benchmarks/check_torch_versions.sh`` runs it there); ``pyproject.toml`` declares the
+same, and importing ampkit on an older torch fails here with an ImportError that says so.
+
+Entries used on a hot path (the autocast switches) are torch's own functions bound at
+import, so calling them through this module costs less than ``torch.<name>`` does.
+An entry missing from the installed torch does not break ``import ampkit``: it is
+bound to a stub that raises a RuntimeError naming it when called.
+
+Example:
+    >>> from ampkit import _torch_compat as tc
+    >>> tc.TORCH_VERSION >= tc.TORCH_FLOOR
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import types
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.amp.autocast_mode import autocast as _TorchAutocast  # bound once: see autocast.py
+from torch.utils.hooks import RemovableHandle
+
+# Version guards and helpers, then the entries: tests/test_torch_compat.py checks each entry.
+__all__ = [
+    "TORCH_VERSION", "TORCH_FLOOR", "TORCH_GE_2_12", "TORCH_PATHS", "parse_version",
+    "check_floor", "resolve",
+    # autocast
+    "is_autocast_enabled", "set_autocast_enabled", "get_autocast_dtype", "set_autocast_dtype",
+    "is_autocast_cache_enabled", "set_autocast_cache_enabled", "autocast_increment_nesting",
+    "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
+    "privateuse1_backend_name", "resolve_autocast",
+    # compile
+    "is_compiling", "dynamo_reset", "TorchDispatchMode",
+    # loss scaling and optimizers
+    "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
+    "amp_update_scale_", "foreach_copy_", "foreach_add_", "OptState",
+    "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
+    # nn.Module internals
+    "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
+    "local_buffers", "local_modules", "MODULE_APPLY_PARAMS",
+    # fp8 and hardware
+    "scaled_mm", "cpu_capabilities",
+]
+
+# --- versions -----------------------------------------------------------------------------
+
+
+def parse_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: "2.5.1+cu124" and "2.6.0a0+git1" give (2, 5), (2, 6)."""
+    match = re.match(r"\s*(\d+)\.(\d+)", str(version))
+    if match is None:
+        raise ValueError(f"cannot read a torch version from {version!r}; valid: "
+                         "'MAJOR.MINOR[.PATCH][+local]', e.g. '2.5.1+cu124'")
+    return int(match[1]), int(match[2])
+
+
+TORCH_VERSION: tuple[int, int] = parse_version(torch.__version__)
+# The oldest torch the whole suite passes on (benchmarks/check_torch_versions.sh); the
+# state-dict hooks of O2/O3 (register_state_dict_post_hook, ...) are public from 2.5 only.
+TORCH_FLOOR: tuple[int, int] = (2, 5)
+# torch.autocast(...)(x) raises TypeError for a non-callable x (pytorch#172178); 2.11 does not.
+TORCH_GE_2_12: bool = TORCH_VERSION >= (2, 12)
+
+
+def check_floor(version: str) -> None:
+    """Raise ImportError when ``version`` is older than the torch ampkit supports."""
+    if parse_version(version) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ImportError(f"ampkit needs torch>={floor}, but torch {version} is installed; "
+                          f"valid: torch {floor} or newer (pip install 'torch>={floor}')")
+
+
+check_floor(torch.__version__)
+
+# --- resolving entries ----------------------------------------------------------------------
+# Every dotted torch path bound below, for the test that each still exists.
+TORCH_PATHS: list[str] = []
+
+
+def _missing(path: str) -> Callable[..., Any]:
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"ampkit needs {path}, which torch {torch.__version__} does not have; "
+                           f"valid: torch {'.'.join(map(str, TORCH_FLOOR))} or newer with it "
+                           "(tests/test_torch_compat.py names every such entry)")
+    stub.__ampkit_missing__ = path  # type: ignore[attr-defined]
+    return stub
+
+
+def resolve(path: str) -> Any:
+    """The object at a dotted torch path ("torch._C._foo"), or None when it is not there."""
+    module_name, _, rest = path.partition(".")
+    obj: Any = importlib.import_module(module_name)
+    for part in rest.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            if not isinstance(obj, types.ModuleType):
+                return None
+            try:  # a submodule not imported yet (torch.utils._python_dispatch)
+                obj = importlib.import_module(f"{obj.__name__}.{part}")
+            except ImportError:
+                return None
+    return obj
+
+
+def _entry(path: str) -> Any:
+    """torch's object at ``path``, recorded for the test; a raising stub when it is missing."""
+    TORCH_PATHS.append(path)
+    obj = resolve(path)
+    return _missing(path) if obj is None else obj
+
+
+# --- autocast: the switches torch.autocast.__enter__/__exit__ set ----------------------------
+# ampkit.autocast sets them itself (no per-call setup), exactly as torch's __enter__ does.
+# Device-type forms (first argument "cpu"/"cuda"/...) since 2.4; the rest since 1.10.
+is_autocast_enabled = _entry("torch.is_autocast_enabled")  # (device_type) -> bool; 2.4
+set_autocast_enabled = _entry("torch.set_autocast_enabled")  # (device_type, bool); 2.4
+get_autocast_dtype = _entry("torch.get_autocast_dtype")  # (device_type) -> dtype; 2.4
+set_autocast_dtype = _entry("torch.set_autocast_dtype")  # (device_type, dtype); 2.4
+is_autocast_cache_enabled = _entry("torch.is_autocast_cache_enabled")  # weight-cast cache on?; 1.10
+set_autocast_cache_enabled = _entry("torch.set_autocast_cache_enabled")  # (bool); 1.10
+autocast_increment_nesting = _entry("torch.autocast_increment_nesting")  # -> new depth; 1.10
+autocast_decrement_nesting = _entry("torch.autocast_decrement_nesting")  # -> new depth; 1.10
+clear_autocast_cache = _entry("torch.clear_autocast_cache")  # drop cached weight casts; 1.10
+# Tracing (torch.export non-strict, make_fx) runs under a torch-function mode; ampkit then
+# lets torch.autocast record the region. Since 2.0.
+is_torch_function_mode_enabled = _entry("torch._C._is_torch_function_mode_enabled")
+# The privateuse1 backend's name, which torch.autocast instances carry; since 2.1.
+privateuse1_backend_name = _entry("torch._C._get_privateuse1_backend_name")
+
+
+def resolve_autocast(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
+    """What torch.autocast makes of these arguments: its private ``_enabled`` and ``fast_dtype``.
+
+    torch disables itself (and warns) for CUDA without a GPU or a dtype the device lacks,
+    and raises for bf16 on a CUDA device without it. Both attributes since 1.10.
+    """
+    reference = _TorchAutocast(device_type, dtype=dtype, enabled=enabled)
+    return reference._enabled, reference.fast_dtype
+
+
+# --- compile -------------------------------------------------------------------------------
+# True while dynamo traces (torch.compile, strict torch.export); public since 2.3.
+is_compiling = _entry("torch.compiler.is_compiling")
+# Forget every compiled graph: each benchmarked policy compiles afresh; since 2.0.
+TORCH_PATHS.append("torch._dynamo.reset")
+
+
+def dynamo_reset() -> None:
+    """``torch._dynamo.reset()``, imported on first use: importing dynamo takes seconds."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+# Base class of the op counters in tests and benchmarks/bench_host.py; since 2.0.
+TorchDispatchMode = _entry("torch.utils._python_dispatch.TorchDispatchMode")
+
+# --- loss scaling and optimizers (scaler.py, _unscale.py, master.py, frontend/) ---------------
+# {(device, dtype): ([[tensors]], indices)} in one C++ pass over a list of tensor lists; 2.1.
+group_tensors_by_device_and_dtype = _entry("torch._C._group_tensors_by_device_and_dtype")
+# (grads, found_inf, inv_scale): unscale in place, flag inf/NaN; one kernel per list; 1.6.
+amp_foreach_non_finite_check_and_unscale_ = _entry("torch._amp_foreach_non_finite_check_and_unscale_")
+# (scale, growth_tracker, found_inf, growth, backoff, interval): the scale rule on device; 1.9.
+amp_update_scale_ = _entry("torch._amp_update_scale_")
+# Multi-tensor copy: masters <-> half params, grads into one flat buffer; since 2.1.
+foreach_copy_ = _entry("torch._foreach_copy_")
+# Multi-tensor add: put set-aside gradients back (scale_loss); since 1.7.
+foreach_add_ = _entry("torch._foreach_add_")
+# READY/UNSCALED/STEPPED: the per-optimizer stage enum of torch.amp's GradScaler; since 2.3.
+OptState = _entry("torch.amp.grad_scaler.OptState")
+# The attribute a fused optimizer sets to unscale itself from ``grad_scale``/``found_inf``
+# (Adam(fused=True), ...); read with getattr(optimizer, name, False). Since 1.13.
+STEP_SUPPORTS_AMP_SCALING = "_step_supports_amp_scaling"
+# A global hook run before every optimizer.step(): ampkit refuses orphaned optimizers; 2.0.
+register_optimizer_step_pre_hook = _entry("torch.optim.optimizer.register_optimizer_step_pre_hook")
+# A device-generic event: a fused step's overflow flag is read once it reached the host; 2.4.
+Event = _entry("torch.Event")
+
+# --- nn.Module internals ---------------------------------------------------------------------
+# hook(module, state_dict, prefix, local_metadata) after state_dict(): O2/O3 save fp32;
+# public since 2.5 (before: the private _register_state_dict_hook).
+_STATE_DICT_POST_HOOK = _entry("torch.nn.Module.register_state_dict_post_hook")
+# hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+# before load_state_dict(): O2 loads into the fp32 masters; public since 2.5.
+_LOAD_STATE_DICT_PRE_HOOK = _entry("torch.nn.Module.register_load_state_dict_pre_hook")
+
+
+def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_state_dict_post_hook(hook)``; hook(module, state_dict, prefix, local_metadata)."""
+    return _STATE_DICT_POST_HOOK(module, hook)
+
+
+def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_load_state_dict_pre_hook(hook)``; hook(module, state_dict, prefix, ...)."""
+    return _LOAD_STATE_DICT_PRE_HOOK(module, hook)
+
+
+def local_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:
+    """``module._parameters``: its own parameters by attribute name, None slots included.
+
+    Unlike ``named_parameters(recurse=False)`` nothing is deduplicated, so a tensor in two
+    slots is seen in both (as ``state_dict`` sees it). Stable since 1.0.
+    """
+    return module._parameters  # type: ignore[return-value]
+
+
+def local_buffers(module: nn.Module) -> dict[str, Optional[Tensor]]:
+    """``module._buffers``: its own buffers by attribute name (writable), None slots included."""
+    return module._buffers
+
+
+def local_modules(module: nn.Module) -> dict[str, Optional[nn.Module]]:
+    """``module._modules``: its children by attribute name, a child in two slots twice.
+
+    ``named_children()`` skips the second slot of a shared child. Stable since 1.0.
+    """
+    return module._modules
+
+
+# nn.Module._apply(fn, recurse): the private method that .to()/.cuda()/.half()/.float()
+# all end in; Float8Linear overrides it to re-decide its backend after a move. The
+# recurse argument since 2.0; the test checks the signature and that .to() reaches it.
+MODULE_APPLY_PARAMS: tuple[str, ...] = ("fn", "recurse")
+
+# --- fp8 -----------------------------------------------------------------------------------
+# Looked up per call, not bound: tests swap torch._scaled_mm for a strict fake.
+TORCH_PATHS.append("torch._scaled_mm")
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+              use_fast_accum: bool = False) -> Tensor:
+    """``torch._scaled_mm``: an fp8 GEMM on tensor cores, scaled in its epilogue (since 2.1).
+
+    Returns the product alone: torch <= 2.4 returned ``(out, amax)``, later a tensor
+    (a fake with the old layout is still accepted).
+    """
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                           use_fast_accum=use_fast_accum)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --- hardware --------------------------------------------------------------------------------
+# The CPU's instruction-set flags, from whichever source this torch has (resolved, not
+# entries: each is absent from some supported torch). 2.11 has both dict sources; 2.5 has
+# neither, only the per-flag functions, which 2.11 dropped.
+_CPU_CAPABILITIES = resolve("torch.cpu.get_capabilities")  # public, {flag: value}; in 2.11
+_CPU_CAPABILITY_DICT = resolve("torch._C._cpu._get_cpu_capability")  # the same dict; in 2.11
+_AVX512_BF16 = resolve("torch._C._cpu._is_avx512_bf16_supported")  # in 2.5; gone by 2.11
+_AMX_TILE = resolve("torch._C._cpu._is_amx_tile_supported")  # in 2.5; gone by 2.11
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_capabilities() -> dict[str, Any]:
+    """The CPU's instruction-set flags ("avx512_bf16", "amx_bf16", ...; {} when torch cannot say).
+
+    On torch without ``torch.cpu.get_capabilities`` only the bf16 flags are known: AMX
+    tiles stand for AMX-BF16 there (every AMX CPU has both).
+    """
+    for source in (_CPU_CAPABILITIES, _CPU_CAPABILITY_DICT):
+        if source is not None:
+            flags = source()
+            return dict(flags) if hasattr(flags, "items") else {}
+    flags = {}
+    if _AVX512_BF16 is not None:
+        flags["avx512_bf16"] = bool(_AVX512_BF16())
+    if _AMX_TILE is not None:
+        flags["amx_bf16"] = bool(_AMX_TILE())
+    return flags
