@@ -366,6 +366,31 @@ def test_watch_removes_hooks_when_the_block_raises_and_keeps_that_exception():
     assert w.first_nonfinite == ("forward", "0")  # still recorded
 
 
+def test_a_watch_object_is_reusable_and_each_block_starts_afresh():
+    model = nn.Sequential(nn.Linear(4, 4))
+    w = watch(model)
+    with w:
+        model(X * math.inf)
+    with w:
+        with pytest.raises(RuntimeError, match="already open"):
+            w.__enter__()
+        model(X)
+    assert w.first_nonfinite is None
+
+
+def test_watch_keeps_no_activation_alive():
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    outputs = []  # '0''s output: Tanh saves its own result, so autograd frees this one
+    model[0].register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    with watch(model) as w:
+        loss = model(X).sum()
+        assert outputs[0]() is None  # the check recorded for it holds no reference
+        loss.backward()
+    assert w.first_nonfinite is None
+
+
 def test_watch_first_nonfinite_is_read_after_exit_and_bad_arguments_raise():
     model = nn.Linear(4, 2)
     with watch(model) as w:

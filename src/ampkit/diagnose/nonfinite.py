@@ -62,10 +62,11 @@ class _Flags:
         if tensor.dtype not in _CHECKED or tensor.numel() == 0:
             return
         # One reduction kernel, no sync: min and max are finite exactly when every element
-        # is (NaN propagates, +inf shows in the max, -inf in the min). detach: no autograd
-        # node, which would keep the tensor alive. (The inf-norm is one kernel too, but
-        # ~20x slower on CPU; a sum can overflow from finite values.)
-        low, high = torch.aminmax(tensor.detach())
+        # is (NaN propagates, +inf shows in the max, -inf in the min). The inf-norm is one
+        # kernel too but ~20x slower on CPU; a sum can overflow from finite values.
+        if tensor.requires_grad:  # an output: no autograd node (it would keep it alive)
+            tensor = tensor.detach()
+        low, high = torch.aminmax(tensor)
         self._pending += (low, high)
         self.codes.extend((code, code))
         if len(self._pending) >= _FOLD:
