@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ampkit  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from ampkit._torch_compat import TorchDispatchMode  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
+from ampkit._torch_compat import TorchDispatchMode
 from ampkit.diagnose import ModuleStats, NonFiniteError, Report, inspect, watch
 
 

@@ -19,10 +19,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import flop_registry
-# Private torch API: ampkit._torch_compat has an entry for it (TorchDispatchMode), not
-# committed yet; import it from there once it is.
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .._torch_compat import TorchDispatchMode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TO_COPY = torch.ops.aten._to_copy.default
