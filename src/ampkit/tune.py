@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ._dtypes import capability, default_device_type
+from ._loss import default_loss
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from .policy import get_policy
@@ -185,7 +186,7 @@ class _Run:
         start = time.perf_counter()
         with self.autocast:
             output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-            loss = _loss(output, target, loss_fn)
+            loss = (loss_fn or default_loss)(output, target)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -203,16 +204,6 @@ class _Run:
         peak = (torch.cuda.max_memory_allocated() / 2**20) if self.device == "cuda" else None
         return {"policy": self.name, "step_ms": statistics.median(self.times),
                 "peak_mib": peak, "max_loss_dev": dev, "accepted": False, "reason": ""}
-
-
-def _loss(output: Any, target: Any, loss_fn: Optional[Callable[..., Tensor]]) -> Tensor:
-    if loss_fn is not None:
-        return loss_fn(output, target)
-    if target is None:
-        return output.float().mean()
-    if not target.is_floating_point():
-        return nn.functional.cross_entropy(output.float(), target)
-    return nn.functional.mse_loss(output.float(), target.float())
 
 
 def _to_device(value: Any, device: str) -> Any:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .._dtypes import autocast_default_dtype, capability, fp8_supported, iter_tensors
+from .._loss import default_loss
 from ..apply import apply_policy, check_models, make_scalers
 from ..autocast import autocast
 from ..convert import conversion_of
@@ -221,18 +222,6 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
     return model(inputs)
-
-
-def default_loss(output: Any, target: Any) -> Tensor:
-    """Cross-entropy for an integer target, MSE for a floating one, else the mean output."""
-    if not isinstance(output, Tensor):
-        raise TypeError(f"the model returned a {type(output).__name__}, not a tensor; valid: "
-                        "pass loss_fn=(output, target) -> loss")
-    if target is None:
-        return output.float().mean()
-    if not target.is_floating_point():
-        return nn.functional.cross_entropy(output.float(), target)
-    return nn.functional.mse_loss(output.float(), target.float())
 
 
 def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:

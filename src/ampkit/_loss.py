@@ -1,0 +1,19 @@
+"""The default loss of autotune and diagnose.inspect: one rule, as DESIGN.md states it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+
+def default_loss(output: Any, target: Any) -> Tensor:
+    """Cross-entropy for an integer target, MSE for a floating one, else the mean output."""
+    if not isinstance(output, Tensor):
+        raise TypeError(f"the model returned a {type(output).__name__}, not a tensor; valid: "
+                        "pass loss_fn=(output, target) -> loss")
+    if target is None:
+        return output.float().mean()
+    if not target.is_floating_point():
+        return nn.functional.cross_entropy(output.float(), target)
+    return nn.functional.mse_loss(output.float(), target.float())
