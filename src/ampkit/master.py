@@ -185,10 +185,10 @@ class MasterWeights:
 
 # The move converts a device's half gradients in up to this many buckets, freeing each
 # bucket's half gradients once it is copied: the move then holds at most 1/8 of them
-# twice. A bucket holds at least _MIN_BUCKET elements (4 MiB in fp32), so a small model
+# twice. A bucket holds at least _MIN_BUCKET elements (256 KiB in fp32), so a small model
 # moves in one bucket (each bucket costs a few host-side ops).
 _BUCKETS = 8
-_MIN_BUCKET = 1 << 20
+_MIN_BUCKET = 1 << 16
 
 
 def _to_fp32(params: list[Tensor]) -> list[Tensor]:
