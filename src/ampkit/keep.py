@@ -153,11 +153,6 @@ def kept_modules(model: nn.Module) -> list[nn.Module]:
     return [sub for name in kept_names(model) for sub in model.get_submodule(name).modules()]
 
 
-def is_kept(root: nn.Module, module: nn.Module) -> bool:
-    """Whether ``module`` is inside one of ``root``'s kept modules."""
-    return any(module is sub for sub in kept_modules(root))
-
-
 class _Fp32Region:
     """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion)."""
 

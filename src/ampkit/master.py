@@ -136,9 +136,6 @@ class MasterWeights:
                 else:
                     master.grad.add_(grad)
 
-    def master_grads(self) -> list[Tensor]:
-        return [m.grad for m in self.master_params if m.grad is not None]
-
     # --- parameters master -> model -------------------------------------------------------
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -159,12 +156,6 @@ class MasterWeights:
         """Drop the master gradients (they are consumed by the step, as apex did)."""
         for master in self.master_params:
             master.grad = None
-
-    @torch.no_grad()
-    def copy_from_model(self) -> None:
-        """Refresh the masters from the model (after the model's weights were loaded)."""
-        for param, master in zip(self.model_params, self.master_params):
-            master.copy_(param)
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         for param in self.model_params:
