@@ -18,10 +18,11 @@ import torch
 
 import ampkit
 from ampkit.bench import report
-from ampkit.bench.runner import (BenchError, BenchSettings, adam_eps, parse_policy,
+from ampkit.bench.errors import UsageError
+from ampkit.bench.runner import (BenchSettings, adam_eps, parse_policy,
                                  parse_policy_list, run_policy,
                                  loss_scaling_label)
-from ampkit.bench.train import TrainError, TrainSettings, train
+from ampkit.bench.train import TrainSettings, train
 from ampkit._dtypes import recommend_policy
 from ampkit.cli import main
 
@@ -260,7 +261,7 @@ def test_policy_list_splits_explicit_policies_and_resolves_opt_levels():
     assert specs[4].policy.master_weights
     assert specs[5].policy.compute_dtype == torch.float16
     assert [s.label for s in parse_policy_list("16-mixed;bf16-true", "cpu")] == ["16-mixed", "bf16-true"]
-    with pytest.raises(BenchError, match="no policy given in ','"):
+    with pytest.raises(UsageError, match="no policy given in ','"):
         parse_policy_list(",", "cpu")
 
 
@@ -296,10 +297,10 @@ def test_resume_continues_exactly(tmp_path, policy):
 def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
     ckpt = str(tmp_path / "run.pt")
     train(TrainSettings(data="synthetic", policy="32-true", epochs=1, batch_size=256), checkpoint=ckpt)
-    with pytest.raises(TrainError, match="policy='32-true', this run has policy='bf16-mixed'"):
+    with pytest.raises(UsageError, match="policy='32-true', this run has policy='bf16-mixed'"):
         train(TrainSettings(data="synthetic", policy="bf16-mixed", epochs=2, batch_size=256),
               checkpoint=ckpt, resume=True)
-    with pytest.raises(TrainError, match="no checkpoint at"):
+    with pytest.raises(UsageError, match="no checkpoint at"):
         train(TrainSettings(data="synthetic", epochs=2), checkpoint=ckpt + ".missing", resume=True)
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ._dtypes import default_device_type
+
 if TYPE_CHECKING:
     from .policy import Policy
     from .scaler import GradScaler
@@ -65,4 +67,4 @@ def inferred_device_type() -> str:
     """The active initialize's device type, else "cuda" when available, else "cpu"."""
     if _active is not None and _active.enabled:
         return _active.device_type
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device_type()

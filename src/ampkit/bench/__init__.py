@@ -9,14 +9,16 @@ Example:
 
 from __future__ import annotations
 
-from .runner import (BenchError, BenchSettings, PolicySpec, Precision, parse_policy,
-                     parse_policy_list, run_bench, run_policy, train_step)
-from .train import TrainError, TrainSettings, train
-from .workloads import Workload, WorkloadError, get_workload
+from .errors import UsageError
+from .runner import (BenchSettings, PolicySpec, Precision, parse_policy, parse_policy_list,
+                     run_bench, run_policy, train_step)
+from .train import TrainSettings, train
+from .workloads import Workload, get_workload
 
 __all__ = [
-    "BenchError", "BenchSettings", "PolicySpec", "Precision", "parse_policy",
+    "UsageError",
+    "BenchSettings", "PolicySpec", "Precision", "parse_policy",
     "parse_policy_list", "run_bench", "run_policy", "train_step",
-    "TrainError", "TrainSettings", "train",
-    "Workload", "WorkloadError", "get_workload",
+    "TrainSettings", "train",
+    "Workload", "get_workload",
 ]

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .errors import UsageError
 from torch import Tensor
 
 DATASETS = ("digits", "cifar10", "synthetic")
 _SPLIT_SEED = 0  # the train/test split never depends on the training seed
 
-
-class DataError(ValueError):
-    """A dataset that cannot be loaded (the CLI exits with status 2)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Dataset:
 
 
 def load_data(name: str, data_dir: Optional[str] = None) -> Dataset:
-    """Load a dataset by name; DataError names what is missing and the valid choices.
+    """Load a dataset by name; UsageError names what is missing and the valid choices.
 
     Args:
         name: "digits", "cifar10" or "synthetic".
@@ -61,7 +60,7 @@ def load_data(name: str, data_dir: Optional[str] = None) -> Dataset:
         return load_cifar10(data_dir)
     if name == "synthetic":
         return synthetic()
-    raise DataError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
+    raise UsageError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
 
 
 def _split(x: Tensor, y: Tensor, test_fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -76,7 +75,7 @@ def load_digits() -> Dataset:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError:
-        raise DataError("--data digits needs scikit-learn, which is not installed; valid: "
+        raise UsageError("--data digits needs scikit-learn, which is not installed; valid: "
                         "pip install 'ampkit[cli]' (or scikit-learn), or --data synthetic, "
                         "or --data cifar10 --data-dir DIR") from None
     bunch = sklearn_digits()
@@ -88,20 +87,20 @@ def load_digits() -> Dataset:
 def load_cifar10(data_dir: Optional[str]) -> Dataset:
     """CIFAR-10 from ``data_dir`` via torchvision (download=False), normalised per channel."""
     if not data_dir:
-        raise DataError("--data cifar10 needs --data-dir DIR, a folder holding "
+        raise UsageError("--data cifar10 needs --data-dir DIR, a folder holding "
                         "cifar-10-batches-py; ampkit never downloads")
     if not os.path.isdir(data_dir) or not os.access(data_dir, os.R_OK):
-        raise DataError(f"--data-dir {data_dir!r} is not a readable folder; valid: a folder "
+        raise UsageError(f"--data-dir {data_dir!r} is not a readable folder; valid: a folder "
                         "holding cifar-10-batches-py (the python version of CIFAR-10)")
     try:
         from torchvision.datasets import CIFAR10
     except ImportError:
-        raise DataError("--data cifar10 needs torchvision, which is not installed; valid: "
+        raise UsageError("--data cifar10 needs torchvision, which is not installed; valid: "
                         "pip install torchvision, or --data digits / synthetic") from None
     try:
         train, test = (CIFAR10(data_dir, train=flag, download=False) for flag in (True, False))
     except (RuntimeError, OSError) as err:
-        raise DataError(f"--data-dir {data_dir!r} holds no readable CIFAR-10 ({err}); valid: "
+        raise UsageError(f"--data-dir {data_dir!r} holds no readable CIFAR-10 ({err}); valid: "
                         "a folder holding cifar-10-batches-py; ampkit never downloads") from None
     train_x, test_x = (torch.from_numpy(d.data).permute(0, 3, 1, 2).float() / 255 for d in (train, test))
     mean = train_x.mean(dim=(0, 2, 3), keepdim=True)

@@ -16,12 +16,10 @@ import torch
 
 from .. import __version__
 from .._dtypes import capability, fp8_supported, recommend_policy
+from .errors import UsageError
 
 OnStep = Callable[[int, int], None]
 
-
-class ReportError(ValueError):
-    """An output option that cannot be honoured (the CLI exits with status 2)."""
 
 
 def have_rich() -> bool:
@@ -263,11 +261,11 @@ def _fp8_sentence(r: dict[str, Any], native_fp8: bool) -> str:
 def require_matplotlib(path: str) -> None:
     """Refuse ``--plot PATH`` before running when matplotlib is absent or PATH is no PNG."""
     if not path.lower().endswith(".png"):
-        raise ReportError(f"--plot {path!r}: the plot is a PNG; valid: a path ending in .png")
+        raise UsageError(f"--plot {path!r}: the plot is a PNG; valid: a path ending in .png")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ReportError(f"--plot {path!r} needs matplotlib, which is not installed; valid: "
+        raise UsageError(f"--plot {path!r} needs matplotlib, which is not installed; valid: "
                           "pip install 'ampkit[cli]' (or matplotlib), or leave out --plot") from None
 
 

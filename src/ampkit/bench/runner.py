@@ -36,15 +36,13 @@ from ..autocast import autocast
 from ..fp8 import Float8Config, Float8Linear, Recipe, convert_to_fp8
 from ..apply import apply_policy, loop_scaler
 from ..policy import OPT_LEVELS, Policy, get_policy, preset_names
-from .workloads import Workload, WorkloadError, get_workload
+from .errors import UsageError
+from .workloads import Workload, get_workload
 
 FP8_RECIPES = tuple(recipe.value for recipe in Recipe)
 _F32, _F16 = torch.float32, torch.float16
 OnStep = Callable[[int, int], None]
 
-
-class BenchError(ValueError):
-    """A bad benchmark setting or policy name (the CLI exits with status 2)."""
 
 
 def valid_policies() -> str:
@@ -73,13 +71,13 @@ class PolicySpec:
 
 
 def parse_policy(name: str, device_type: str) -> PolicySpec:
-    """Resolve one policy name for a device type; BenchError names the valid ones."""
+    """Resolve one policy name for a device type; UsageError names the valid ones."""
     label = name.strip()
     base, _, suffix = label.partition("-")
     if base == "fp8":
         recipe = suffix or "tensorwise"
         if recipe not in FP8_RECIPES:
-            raise BenchError(f"unknown fp8 recipe {recipe!r} in policy {label!r}; valid: "
+            raise UsageError(f"unknown fp8 recipe {recipe!r} in policy {label!r}; valid: "
                              f"{', '.join(FP8_RECIPES)}")
         return PolicySpec(label, get_policy("bf16-mixed"), recipe)
     if base in OPT_LEVELS:
@@ -88,8 +86,8 @@ def parse_policy(name: str, device_type: str) -> PolicySpec:
         policy = get_policy(label)
     except (ValueError, TypeError) as err:
         if "=" in label:  # an explicit policy: the parser's message names the bad part
-            raise BenchError(f"bad policy {label!r}: {err}") from None
-        raise BenchError(f"unknown policy {label!r}; valid: {valid_policies()}") from None
+            raise UsageError(f"bad policy {label!r}: {err}") from None
+        raise UsageError(f"unknown policy {label!r}; valid: {valid_policies()}") from None
     _check_runnable(label, policy)
     return PolicySpec(label, policy)
 
@@ -98,14 +96,14 @@ def _opt_level(level: str, suffix: str, label: str, device_type: str) -> Policy:
     policy = get_policy(level)
     if policy.half_dtype is None:
         if suffix:
-            raise BenchError(f"policy {label!r}: {level} is pure fp32 and takes no half dtype; "
+            raise UsageError(f"policy {label!r}: {level} is pure fp32 and takes no half dtype; "
                              f"valid: {level}")
         return policy
     try:
         half = (resolve_dtype(suffix, allowed=HALF_DTYPES, what=f"half dtype in {label!r}")
                 if suffix else autocast_default_dtype(device_type))
     except ValueError as err:
-        raise BenchError(str(err)) from None
+        raise UsageError(str(err)) from None
     return policy.with_half_dtype(half)
 
 
@@ -113,10 +111,10 @@ def _check_runnable(label: str, p: Policy) -> None:
     # The loop runs half parameters through initialize (which computes in the parameters'
     # dtype) and fp32 parameters through autocast; other combinations have no meaning there.
     if p.param_dtype in HALF_DTYPES and p.compute_dtype != p.param_dtype:
-        raise BenchError(f"policy {label!r} keeps {p.param_dtype} parameters but computes in "
+        raise UsageError(f"policy {label!r} keeps {p.param_dtype} parameters but computes in "
                          f"{p.compute_dtype}; valid: compute dtype equal to a half param dtype")
     if p.param_dtype == _F32 and p.compute_dtype != _F32 and not p.autocast:
-        raise BenchError(f"policy {label!r} computes in {p.compute_dtype} on fp32 parameters "
+        raise UsageError(f"policy {label!r} computes in {p.compute_dtype} on fp32 parameters "
                          "without autocast; valid: autocast=1 for fp32 parameters")
 
 
@@ -133,7 +131,7 @@ def parse_policy_list(text: str, device_type: str) -> list[PolicySpec]:
     items = text.split(";") if ";" in text else _join_explicit(text.split(","))
     specs = [parse_policy(item, device_type) for item in items if item.strip()]
     if not specs:
-        raise BenchError(f"no policy given in {text!r}; valid: {valid_policies()}")
+        raise UsageError(f"no policy given in {text!r}; valid: {valid_policies()}")
     return specs
 
 
@@ -353,17 +351,17 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise BenchError(f"--steps must be at least 1, got {self.steps}")
+            raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.warmup < 0:
-            raise BenchError(f"--warmup must be 0 or more, got {self.warmup}")
+            raise UsageError(f"--warmup must be 0 or more, got {self.warmup}")
         if self.compile and self.warmup < 2:
             # Two: fp8's delayed recipe recompiles once, on its second step.
-            raise BenchError(f"--warmup {self.warmup} with --compile would time the "
+            raise UsageError(f"--warmup {self.warmup} with --compile would time the "
                              "compilation; valid: --warmup 2 or more")
         if self.batch_size is not None and self.batch_size < 1:
-            raise BenchError(f"--batch-size must be at least 1, got {self.batch_size}")
+            raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise BenchError(f"--lr must be a positive number, got {self.lr}")
+            raise UsageError(f"--lr must be a positive number, got {self.lr}")
 
 
 def build(spec: PolicySpec, settings: BenchSettings, workload: Workload,
@@ -492,7 +490,7 @@ def run_policy_isolated(label: str, settings: BenchSettings,
     """``run_policy`` in a fresh Python process, so its peak RSS is its own.
 
     Raises:
-        BenchError: the child rejected a setting (its one-line message).
+        UsageError: the child rejected a setting (its one-line message).
         RuntimeError: the child failed in any other way (the last line of its stderr).
     """
     job = json.dumps({"policy": label, "settings": asdict(settings)})
@@ -505,7 +503,7 @@ def run_policy_isolated(label: str, settings: BenchSettings,
         child.wait()
         errors.seek(0)
         stderr = errors.read()
-    if isinstance(result, BenchError):
+    if isinstance(result, UsageError):
         raise result
     if child.returncode != 0 or result is None:
         last = (stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
@@ -515,7 +513,7 @@ def run_policy_isolated(label: str, settings: BenchSettings,
 
 
 def _read_child(stdout: Iterable[str], on_step: Optional[OnStep]) -> Any:
-    """The child's result dict, a BenchError it reported, or None when it said neither."""
+    """The child's result dict, a UsageError it reported, or None when it said neither."""
     result: Any = None
     for line in stdout:
         if not line.startswith(_PREFIX):
@@ -527,7 +525,7 @@ def _read_child(stdout: Iterable[str], on_step: Optional[OnStep]) -> Any:
         elif kind == "result":
             result = json.loads(payload)
         elif kind == "error":
-            result = BenchError(payload.strip())
+            result = UsageError(payload.strip())
     return result
 
 
@@ -536,7 +534,7 @@ def _child_main(argv: list[str]) -> int:
     try:
         settings = BenchSettings(**job["settings"])
         spec = parse_policy(job["policy"], torch.device(settings.device).type)
-    except (BenchError, WorkloadError) as err:
+    except UsageError as err:
         print(_PREFIX + "error " + str(err), flush=True)
         return 2
 
@@ -545,7 +543,7 @@ def _child_main(argv: list[str]) -> int:
 
     try:
         result = run_policy(spec, settings, report_step)
-    except (BenchError, WorkloadError) as err:
+    except UsageError as err:
         print(_PREFIX + "error " + str(err).replace("\n", " "), flush=True)
         return 2
     print(_PREFIX + "result " + json.dumps(result), flush=True)

@@ -27,7 +27,8 @@ from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import DATASETS, Dataset, load_data
 from .runner import (PolicySpec, Precision, adam_eps, adamw_factory, parse_policy,
                      loss_scaling_label, train_step)
-from .workloads import (WorkloadError, call_user_function, classification_loss, make_cnn,
+from .errors import UsageError
+from .workloads import (call_user_function, classification_loss, make_cnn,
                         make_mlp, make_resnet18)
 
 TRAIN_MODELS = "mlp, cnn, resnet18, or package.module:function"
@@ -43,9 +44,6 @@ _RESUME_KEYS = ("model", "data", "policy", "batch_size", "lr", "seed")
 OnEpoch = Callable[[dict[str, Any]], None]
 OnBatchFactory = Callable[[str], Callable[[int, int], None]]
 
-
-class TrainError(ValueError):
-    """A bad training setting or checkpoint (the CLI exits with status 2)."""
 
 
 @dataclass(frozen=True)
@@ -76,13 +74,13 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
-            raise TrainError(f"--epochs must be at least 1, got {self.epochs}")
+            raise UsageError(f"--epochs must be at least 1, got {self.epochs}")
         if self.batch_size < 1:
-            raise TrainError(f"--batch-size must be at least 1, got {self.batch_size}")
+            raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise TrainError(f"--lr must be a positive number, got {self.lr}")
+            raise UsageError(f"--lr must be a positive number, got {self.lr}")
         if self.data not in DATASETS:
-            raise TrainError(f"unknown dataset {self.data!r}; valid: {', '.join(DATASETS)}")
+            raise UsageError(f"unknown dataset {self.data!r}; valid: {', '.join(DATASETS)}")
 
 
 def build_classifier(name: str, data: Dataset) -> nn.Module:
@@ -94,19 +92,19 @@ def build_classifier(name: str, data: Dataset) -> nn.Module:
         return make_cnn(channels, data.num_classes)
     if name == "resnet18":
         if channels != 3:
-            raise TrainError(f"model 'resnet18' needs 3-channel images, {data.name} has "
+            raise UsageError(f"model 'resnet18' needs 3-channel images, {data.name} has "
                              f"{channels}; valid: --data cifar10, or --model mlp / cnn")
         return make_resnet18(data.num_classes)
     if ":" in name:
         return _user_classifier(name)
-    raise TrainError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
+    raise UsageError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
 
 
 def _user_classifier(spec: str) -> nn.Module:
     result = call_user_function(spec, None)
     model = result[0] if isinstance(result, (tuple, list)) and result else result
     if not isinstance(model, nn.Module):
-        raise WorkloadError(f"model {spec!r} returned {type(result).__name__}; expected a "
+        raise UsageError(f"model {spec!r} returned {type(result).__name__}; expected a "
                             "torch.nn.Module (or a tuple whose first item is one)")
     return model
 
@@ -183,7 +181,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint written by a run with the same settings (epochs may differ).
 
-        A checkpoint that does not fit raises TrainError. Its format, entries, settings,
+        A checkpoint that does not fit raises UsageError. Its format, entries, settings,
         model keys and shapes and fp8 state are checked before anything loads; the
         optimizer's, scaler's and amp's own loaders check theirs as they load, so after an
         error the trainer is to be discarded (``train`` does).
@@ -231,17 +229,17 @@ def _unseal(record: Any, path: str) -> Any:
     """The payload of a record that ``_seal`` wrote, once its digest matches."""
     found = record.get("format") if isinstance(record, dict) else type(record).__name__
     if found == _UNSEALED_FORMAT:
-        raise TrainError(f"--resume: checkpoint {path!r} has no sha256 digest (format "
+        raise UsageError(f"--resume: checkpoint {path!r} has no sha256 digest (format "
                          f"{found!r}, written by an earlier ampkit), so its content cannot be "
                          f"verified; valid: a checkpoint in format {_FORMAT!r} (start again "
                          "without --resume, or finish that run with the ampkit that wrote it)")
     if found != _FORMAT:
-        raise TrainError(f"--resume: {path!r} is not an ampkit train checkpoint (format "
+        raise UsageError(f"--resume: {path!r} is not an ampkit train checkpoint (format "
                          f"{found!r}); valid: a file that ampkit train --checkpoint wrote")
     payload = record.get("payload")
     ok = torch.is_tensor(payload) and payload.dtype == torch.uint8 and payload.dim() == 1
     if not ok or hashlib.sha256(payload.numpy()).hexdigest() != record.get("sha256"):
-        raise TrainError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
+        raise UsageError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
                          "match the sha256 digest stored with it; valid: an intact copy, or "
                          "start again without --resume")
     return _read(io.BytesIO(payload.numpy()), path)
@@ -276,28 +274,28 @@ def _process_exists(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _loading(entry: str) -> Iterator[None]:
-    """Turn a loader's complaint about a checkpoint entry into a TrainError naming it."""
+    """Turn a loader's complaint about a checkpoint entry into a UsageError naming it."""
     try:
         yield
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
-        raise TrainError(f"its {entry!r} entry does not fit this run ({type(err).__name__}: "
+        raise UsageError(f"its {entry!r} entry does not fit this run ({type(err).__name__}: "
                          f"{err}); valid: a checkpoint of this --model and --policy") from None
 
 
 def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise TrainError(f"not an ampkit train checkpoint (format {_FORMAT!r} expected)")
+        raise UsageError(f"not an ampkit train checkpoint (format {_FORMAT!r} expected)")
     for entry, types in _ENTRIES.items():
         if not isinstance(state.get(entry), types):
             found = ("is missing" if entry not in state
                      else f"has type {type(state[entry]).__name__}")
             valid = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-            raise TrainError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
+            raise UsageError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
                              "--checkpoint writes it")
     saved = state["settings"]
     for key in _RESUME_KEYS:
         if saved.get(key) != getattr(settings, key):
-            raise TrainError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
+            raise UsageError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
                              f"has {key}={getattr(settings, key)!r}; valid: the checkpoint's "
                              "settings, or leave out --resume")
 
@@ -309,14 +307,14 @@ def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
     if missing or unexpected:
         found = " and ".join(([f"lacks {missing[:3]}"] if missing else []) +
                              ([f"has unexpected keys {unexpected[:3]}"] if unexpected else []))
-        raise TrainError(f"its model state {found}; valid: the state of this --model "
+        raise UsageError(f"its model state {found}; valid: the state of this --model "
                          f"({len(expected)} keys: {', '.join(list(expected)[:3])}, ...)")
     for key, tensor in expected.items():
         value = saved[key]
         if torch.is_tensor(tensor) and not (torch.is_tensor(value) and value.shape == tensor.shape):
             found = (f"shape {tuple(value.shape)}" if torch.is_tensor(value)
                      else type(value).__name__)
-            raise TrainError(f"its model state {key!r} has {found}; valid: shape "
+            raise UsageError(f"its model state {key!r} has {found}; valid: shape "
                              f"{tuple(tensor.shape)} (this --model)")
 
 
@@ -324,7 +322,7 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a checkpoint (tensors and plain values only: no code runs on load)."""
     _remove_stale_temp_files(path)
     if not os.path.isfile(path):
-        raise TrainError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
+        raise UsageError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
                          "of an earlier run")
     return _unseal(_read(path, path), path)
 
@@ -333,7 +331,7 @@ def _read(source: Union[str, io.BytesIO], path: str) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file can fail in many ways
-        raise TrainError(f"--resume: cannot read checkpoint {path!r} "
+        raise UsageError(f"--resume: cannot read checkpoint {path!r} "
                          f"({type(err).__name__}: {err})") from None
 
 
@@ -351,7 +349,7 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
         The log: settings, resolved policy, one record per epoch and the final one.
     """
     if resume and not checkpoint:
-        raise TrainError("--resume needs --checkpoint PATH (the checkpoint to continue)")
+        raise UsageError("--resume needs --checkpoint PATH (the checkpoint to continue)")
     state = load_checkpoint(checkpoint) if resume and checkpoint else None
     data = load_data(settings.data, settings.data_dir)
     trainer = Trainer(settings, data)
@@ -375,8 +373,8 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
 def _resume(trainer: Trainer, state: dict[str, Any], path: str) -> None:
     try:
         trainer.load_state_dict(state)
-    except TrainError as err:
-        raise TrainError(f"--resume: checkpoint {path!r}: {err}") from None
+    except UsageError as err:
+        raise UsageError(f"--resume: checkpoint {path!r}: {err}") from None
 
 
 def _run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory]) -> dict[str, Any]:

@@ -21,14 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import UsageError
+
 Batch = tuple[Tensor, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "gpt")
 VALID_MODELS = ", ".join(BUILTIN_MODELS) + ", or package.module:function"
-
-
-class WorkloadError(ValueError):
-    """A model name or a user workload that cannot be used (the CLI exits with status 2)."""
 
 
 @dataclass(frozen=True)
@@ -106,11 +104,11 @@ def make_cnn(in_channels: int = 3, num_classes: int = 10, width: int = 32) -> nn
 
 
 def make_resnet18(num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18 (raises WorkloadError when torchvision is not installed)."""
+    """torchvision's ResNet-18 (raises UsageError when torchvision is not installed)."""
     try:
         from torchvision.models import resnet18
     except ImportError:
-        raise WorkloadError("model 'resnet18' needs torchvision, which is not installed "
+        raise UsageError("model 'resnet18' needs torchvision, which is not installed "
                             "(pip install torchvision); valid here: mlp, cnn, gpt, or "
                             "package.module:function") from None
     return resnet18(num_classes=num_classes)
@@ -226,7 +224,7 @@ def get_workload(name: str, device: str, *, batch_size: Optional[int] = None,
         seed: seed of the synthetic data.
 
     Returns:
-        The Workload. Raises WorkloadError naming the bad name and the valid ones.
+        The Workload. Raises UsageError naming the bad name and the valid ones.
 
     Example:
         >>> get_workload("gpt", "cpu").batch_size
@@ -235,9 +233,9 @@ def get_workload(name: str, device: str, *, batch_size: Optional[int] = None,
     if ":" in name:
         return user_workload(name, batch_size)
     if name not in BUILTIN_MODELS:
-        raise WorkloadError(f"unknown model {name!r}; valid: {VALID_MODELS}")
+        raise UsageError(f"unknown model {name!r}; valid: {VALID_MODELS}")
     if batch_size is not None and batch_size < 1:
-        raise WorkloadError(f"--batch-size must be a positive integer, got {batch_size}")
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
     cuda = torch.device(device).type == "cuda"
     batch = batch_size or _DEFAULT_BATCH[name][int(cuda)]
     return _BUILDERS[name](batch, cuda, seed)
@@ -284,18 +282,18 @@ def load_user_function(spec: str) -> Callable[..., Any]:
     """Import ``package.module:function`` (the current directory is on the path, as for -m)."""
     module_name, _, func_name = spec.partition(":")
     if not module_name or not func_name.isidentifier():
-        raise WorkloadError(f"model {spec!r} is not of the form package.module:function; "
+        raise UsageError(f"model {spec!r} is not of the form package.module:function; "
                             f"valid: {VALID_MODELS}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # a user module can fail in any way: report it in one line
-        raise WorkloadError(f"model {spec!r}: cannot import {module_name!r} "
+        raise UsageError(f"model {spec!r}: cannot import {module_name!r} "
                             f"({type(err).__name__}: {err}); valid: {VALID_MODELS}") from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise WorkloadError(f"model {spec!r}: module {module_name!r} has no function "
+        raise UsageError(f"model {spec!r}: module {module_name!r} has no function "
                             f"{func_name!r}; valid: {VALID_MODELS}")
     return func
 
@@ -306,14 +304,14 @@ def call_user_function(spec: str, batch_size: Optional[int]) -> Any:
     kwargs: dict[str, Any] = {}
     if batch_size is not None:
         if not _takes_batch_size(func):
-            raise WorkloadError(f"--batch-size {batch_size} given, but model {spec!r} takes no "
+            raise UsageError(f"--batch-size {batch_size} given, but model {spec!r} takes no "
                                 "batch_size keyword; valid: leave out --batch-size, or add "
                                 "a batch_size parameter to the function")
         kwargs["batch_size"] = batch_size
     try:
         return func(**kwargs)
     except Exception as err:
-        raise WorkloadError(f"model {spec!r}: calling it raised {type(err).__name__}: {err}") from None
+        raise UsageError(f"model {spec!r}: calling it raised {type(err).__name__}: {err}") from None
 
 
 def _takes_batch_size(func: Callable[..., Any]) -> bool:
@@ -352,7 +350,7 @@ def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Option
           and len(result[1]) == 2 and all(isinstance(t, Tensor) for t in result[1])
           and (len(result) == 2 or callable(result[2])))
     if not ok:
-        raise WorkloadError(f"model {spec!r} returned {_describe(result)}; {_EXPECTED}")
+        raise UsageError(f"model {spec!r} returned {_describe(result)}; {_EXPECTED}")
     loss_fn = result[2] if len(result) == 3 else None
     return result[0], (result[1][0], result[1][1]), loss_fn
 

@@ -1,0 +1,7 @@
+"""``python -m ampkit.cli``: the same as the ``ampkit`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

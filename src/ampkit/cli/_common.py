@@ -1,0 +1,97 @@
+"""What every ``ampkit`` subcommand shares: the parser, devices, output paths, errors.
+
+Every bad value ends a command with exit status 2 and one line on stderr naming it and
+the valid choices (a ``UsageError`` from anywhere under the command); no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import NoReturn, Optional
+
+import torch
+
+from .._dtypes import default_device_type
+from ..bench.errors import UsageError
+
+__all__ = ["Parser", "UsageError", "add_common", "check_device", "check_output_paths",
+           "one_line"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the bad value, the valid ones, a hint)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def check_device(name: Optional[str]) -> str:
+    """The device to run on: ``name`` validated, or ampkit's default device when None.
+
+    Example: ``check_device(None)`` is "cpu" on a machine without a GPU.
+    """
+    if name is None:
+        return default_device_type()
+    valid = _valid_devices()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r}; valid: {valid}") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise UsageError(f"device {name!r} is not supported by ampkit's commands; valid: {valid}")
+    if not torch.cuda.is_available():
+        raise UsageError(f"device {name!r} is not available here (torch {torch.__version__}, "
+                         f"no CUDA device); valid: {valid}")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"device {name!r} does not exist; valid: {valid}")
+    return str(device)
+
+
+def _valid_devices() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "cpu, cuda, " + ", ".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+
+
+def check_output_paths(**paths: Optional[str]) -> None:
+    """Fail before a run, not after it, when an output file could not be written.
+
+    Makes the file's folder (the run would make it anyway) and writes a scratch file there.
+    """
+    for flag, path in paths.items():
+        if not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            if os.path.isdir(path):
+                raise OSError(0, "it is a folder")
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as err:
+            raise UsageError(f"--{flag} {path!r} cannot be written ({err.strerror or err}); "
+                             "valid: a file path in a folder you can write to") from None
+
+
+def add_common(p: argparse.ArgumentParser, models: str, model_default: str) -> None:
+    """The options bench, train, doctor and tune share: model, batch, device, seed, JSON."""
+    p.add_argument("--model", default=model_default, metavar="NAME",
+                   help=f"{models} (default: {model_default})")
+    p.add_argument("--batch-size", type=int, metavar="N", help="samples per step (default: "
+                   "the model's for the device)" if model_default == "gpt" else
+                   "samples per step (default 64)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': to "
+                   "stdout, and the human-readable output to stderr)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (also off when "
+                   "stdout is not a terminal)")
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line (for the CLI's stderr)."""
+    return " ".join(str(err).split())

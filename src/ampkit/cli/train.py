@@ -1,0 +1,92 @@
+"""``ampkit train``: train a classifier under one policy, one line per epoch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from .._dtypes import recommend_policy
+from ._common import add_common, check_device, check_output_paths
+
+_TRAIN_HELP = """\
+Train a classifier with any policy or opt level, with test accuracy per epoch.
+Data: digits (scikit-learn's 8x8 digits, the default), cifar10 (local files via
+torchvision, never downloaded), synthetic. --checkpoint writes model, optimizer,
+GradScaler and amp state after every epoch, with a sha256 digest of its content; --resume
+continues exactly where it stopped, and refuses a checkpoint whose digest does not match
+(corrupted) or that has none (format ampkit-train-1, from before digests)."""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``train`` on the subcommand parsers."""
+    from ..bench.data import DATASETS
+
+    p = sub.add_parser("train", help="train a classifier with a policy or opt level",
+                       description=_TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p, "mlp, cnn, resnet18, or package.module:function", "mlp")
+    p.set_defaults(handler=run, batch_size=64)
+    p.add_argument("--data", default="digits", choices=DATASETS, help="dataset (default digits)")
+    p.add_argument("--data-dir", metavar="DIR", help="folder holding cifar-10-batches-py")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--policy", metavar="NAME", help="a policy as bench takes it (default: "
+                       "the one `ampkit info` recommends)")
+    which.add_argument("--opt-level", choices=("O0", "O1", "O2", "O3"), help="an apex opt level")
+    p.add_argument("--epochs", type=int, default=10, help="total epochs (default 10)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint after every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint (its "
+                   "sha256 digest is checked; a checkpoint without one, written before "
+                   "digests, is refused)")
+
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train a classifier under one policy, printing one line per epoch."""
+    from ..bench import report
+    from ..bench.runner import parse_policy
+    from ..bench.train import TrainSettings, train
+
+    device = check_device(args.device)
+    policy = args.opt_level or args.policy or recommend_policy(device)[0]
+    spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
+    check_output_paths(json=args.json, checkpoint=args.checkpoint)
+    settings = TrainSettings(model=args.model, data=args.data, data_dir=args.data_dir,
+                             policy=policy, epochs=args.epochs, batch_size=args.batch_size,
+                             lr=args.lr, seed=args.seed, device=device)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"ampkit train: {settings.model} on {settings.data} with {policy} "
+          f"({spec.policy}) on {device}", file=out)
+    show = not args.quiet and sys.stdout.isatty() and args.json != "-"
+    with report.Progress(enabled=show, keep_done=False) as progress:
+        log = train(settings, checkpoint=args.checkpoint, resume=args.resume,
+                    on_epoch=lambda record: print(_epoch_line(record, settings.epochs), file=out),
+                    on_batch=progress.task)
+    _print_train_summary(log, out)
+    if args.json:
+        report.write_json(dict({"command": "train", "environment": report.environment(device)},
+                               **log), args.json)
+    return 0
+
+
+def _epoch_line(record: dict[str, Any], epochs: int) -> str:
+    scale = "" if record["loss_scale"] is None else (
+        f"  scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)")
+    return (f"epoch {record['epoch']:>3}/{epochs}  train loss {record['train_loss']:.4f}  "
+            f"test loss {record['test_loss']:.4f}  test acc {record['test_acc']:.2%}  "
+            f"{record['time_s']:.1f}s{scale}")
+
+
+def _print_train_summary(log: dict[str, Any], out: Any) -> None:
+    if log["resumed_from_epoch"] is not None:
+        print(f"resumed after epoch {log['resumed_from_epoch']} of the checkpoint", file=out)
+    final = log["final"]
+    if final is None:
+        print("nothing was trained (epochs 0)", file=out)
+        return
+    print(f"final: epoch {final['epoch']}, test accuracy {final['test_acc']:.2%}, "
+          f"test loss {final['test_loss']:.4f} ({log['data']})", file=out)
+
+
