@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -364,12 +365,24 @@ class BenchSettings:
             raise UsageError(f"--lr must be a positive number, got {self.lr}")
 
 
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# How each rank of a multi-process bench sets a model up in place of Precision.setup (the
+# policy applied, then a DDP wrap; or FSDP2's shard): see bench/parallel.py.
+ParallelSetup = Callable[[Precision, nn.Module, OptimizerFactory],
+                         tuple[nn.Module, torch.optim.Optimizer]]
+
+
 def build(spec: PolicySpec, settings: BenchSettings, workload: Workload,
-          device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, Precision]:
-    """Seeded model, its optimizer, and the policy applied (same weights for every policy)."""
+          device: torch.device, parallel: Optional[ParallelSetup] = None,
+          ) -> tuple[nn.Module, torch.optim.Optimizer, Precision]:
+    """Seeded model, its optimizer, and the policy applied (same weights for every policy).
+
+    ``parallel``: replaces ``Precision.setup`` on each rank of a multi-process bench.
+    """
     torch.manual_seed(settings.seed)
     precision = Precision(spec, device)
-    model, optimizer = precision.setup(workload.build(), adamw_factory(spec.policy, settings.lr))
+    setup = precision.setup if parallel is None else partial(parallel, precision)
+    model, optimizer = setup(workload.build(), adamw_factory(spec.policy, settings.lr))
     model.train()
     if settings.compile:
         # Each policy compiles afresh: dynamo's caches from an earlier policy's model (same
@@ -380,8 +393,11 @@ def build(spec: PolicySpec, settings: BenchSettings, workload: Workload,
 
 
 def run_policy(spec: PolicySpec, settings: BenchSettings,
-               on_step: Optional[OnStep] = None) -> dict[str, Any]:
+               on_step: Optional[OnStep] = None, *,
+               parallel: Optional[ParallelSetup] = None) -> dict[str, Any]:
     """Train ``settings.warmup + settings.steps`` steps under one policy and measure them.
+
+    ``parallel``: how this rank of a multi-process bench sets the model up (see ``build``).
 
     Returns:
         The per-policy result (see ``summarise``); comparisons across policies are added
@@ -391,7 +407,7 @@ def run_policy(spec: PolicySpec, settings: BenchSettings,
     workload = get_workload(settings.model, settings.device, batch_size=settings.batch_size,
                             seed=settings.seed)
     meter = MemoryMeter(device)
-    model, optimizer, precision = build(spec, settings, workload, device)
+    model, optimizer, precision = build(spec, settings, workload, device, parallel)
     batches = workload.batches(device)
     losses, times, first_ms = _timed_loop(model, optimizer, precision, workload, batches,
                                           settings, on_step)
