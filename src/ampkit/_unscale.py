@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._torch_compat import (amp_foreach_non_finite_check_and_unscale_,
+                            group_tensors_by_device_and_dtype, sparse_values)
+
 __all__ = ["unscale_grads_", "unscale_per_device", "fold_into"]
 
 
@@ -21,18 +24,18 @@ def _dense_values(grad: Tensor) -> Tensor:
         # Duplicate indices are summed when the grad is used; summing them while still
         # scaled can overflow fp16, so coalesce first (in place: param.grad stays this tensor).
         grad.copy_(grad.coalesce())
-    return grad._values()
+    return sparse_values(grad)
 
 
 def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     except NotImplementedError:
         # A sparse grad in the list sends the whole call to the sparse backend, which has
         # no kernel; the dispatch fails before any tensor is touched, so retry on values.
         if not any(g.is_sparse for g in grads):
             raise
-        torch._amp_foreach_non_finite_check_and_unscale_(
+        amp_foreach_non_finite_check_and_unscale_(
             [_dense_values(g) for g in grads], found_inf, inv_scale)
     except RuntimeError:
         # Sharded (DTensor) and plain gradients in one list (an FSDP2 model with an
@@ -55,7 +58,7 @@ def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
     if not grads:
         return found_per_device
     # Grouped in C++ (one pass, no Python work per gradient); one kernel per (device, dtype).
-    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    groups = group_tensors_by_device_and_dtype([grads], False)
     with torch.no_grad():
         for (device, _dtype), ((group, *_), _indices) in groups.items():
             if device not in found_per_device:
@@ -83,15 +86,16 @@ def unscale_grads_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) ->
 
     Args:
         grads: gradients on any devices and floating dtypes.
-        inv_scale: 1-element float32 tensor, e.g. ``scaler._inverse_scale()``.
+        inv_scale: 1-element float32 tensor, e.g. ``scaler.inverse_scale()``.
         found_inf: 1-element float32 tensor (on the scale's device); it is set non-zero if
             any gradient holds an inf or NaN and is never reset, so it accumulates.
 
     Example::
 
-        found_inf = torch.zeros((), device=scaler._scale.device)
-        unscale_grads_([p.grad for p in params], scaler._inverse_scale(), found_inf)
-        scaler._apply_update(found_inf)
+        inv_scale = scaler.inverse_scale()
+        found_inf = torch.zeros((), device=inv_scale.device)
+        unscale_grads_([p.grad for p in params], inv_scale, found_inf)
+        scaler.update_from(found_inf)
     """
     fold_into(found_inf, unscale_per_device(grads, inv_scale, found_inf))
 

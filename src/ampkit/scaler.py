@@ -32,12 +32,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-# torch's own enum objects, so code that inspects ``_per_optimizer_states`` stages keeps working.
-from torch.amp.grad_scaler import OptState
-
 from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _backoff_factor,
                            _bounds, _check_group, _count, _device_type, _enabled, _growth_factor,
                            _in_range)
+# OptState: torch's own enum objects, so code that inspects ``_per_optimizer_states``
+# stages keeps working.
+from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_
 from ._unscale import fold_into, unscale_grads_, unscale_per_device
 from .optim import master_weights_of
 
@@ -397,7 +397,7 @@ class GradScaler:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False):
             return self._fused_step(optimizer, state, args, kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
@@ -505,7 +505,7 @@ class GradScaler:
             found_inf: 1-element float32 tensor on the scale's device; non-zero = overflow.
             synced: True when ``found_inf`` was already all-reduced over ``process_group``.
 
-        Example: ``scaler._apply_update(found_inf)`` after :func:`unscale_grads_`.
+        Callers outside this class use :meth:`update_from`.
         """
         scale, tracker = self._check_scale_growth_tracker("update")
         found_inf = found_inf.to(scale.device, non_blocking=True)
@@ -513,16 +513,16 @@ class GradScaler:
             self._sync_found_inf(found_inf)
         self._count_step(found_inf)
         if self._hysteresis == 1:
-            torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
-                                     self._backoff_factor, self._growth_interval)
+            amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
+                              self._backoff_factor, self._growth_interval)
         else:
             # torch's kernel resets the tracker and backs off on every overflow; keep its
             # tracker reset but restore the old scale for overflows before the
             # hysteresis-th in a row. A device-side select, so no host sync.
             hold = (found_inf > 0) & (self._consecutive_skips < self._hysteresis)
             before = scale.clone()
-            torch._amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
-                                     self._backoff_factor, self._growth_interval)
+            amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
+                              self._backoff_factor, self._growth_interval)
             scale.copy_(torch.where(hold, before, scale))
         # Bounds: also catch a backoff below float32's normal range (torch lets the scale
         # decay to 0, after which 1/scale is inf and every step is skipped forever).
