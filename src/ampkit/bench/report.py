@@ -8,6 +8,7 @@ before anything runs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import IO, Any, Callable, Optional, Sequence
@@ -56,8 +57,12 @@ def fp32_math() -> str:
 
 
 def write_json(document: dict[str, Any], path: str) -> None:
-    """Write ``document`` to ``path`` ("-": stdout), creating the folder."""
-    text = json.dumps(document, indent=2, allow_nan=False)
+    """Write ``document`` to ``path`` ("-": stdout), creating the folder.
+
+    Strict JSON: inf, -inf and NaN (an SQNR, a diverged loss) become the strings "inf",
+    "-inf" and "nan" (see :func:`strict_json`), which every JSON reader accepts.
+    """
+    text = json.dumps(strict_json(document), indent=2, allow_nan=False)
     if path == "-":
         sys.stdout.write(text + "\n")
         return
@@ -66,6 +71,22 @@ def write_json(document: dict[str, Any], path: str) -> None:
         os.makedirs(folder, exist_ok=True)
     with open(path, "w") as out:
         out.write(text + "\n")
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by "inf", "-inf" or "nan".
+
+    Example:
+        >>> strict_json({"sqnr": [float("inf"), 3.0], "loss": float("nan")})
+        {'sqnr': ['inf', 3.0], 'loss': 'nan'}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 # --- progress ----------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class Report:
 
 
 def _summary(report: Report) -> list[str]:
-    flops = ", ".join(f"{name} {_si(n)}" for name, n in
+    flops = ", ".join(f"{name} {format_count(n)}" for name, n in
                       sorted(report.flops.items(), key=lambda kv: -kv[1])) or "none counted"
     first = ("none" if report.first_nonfinite is None
              else f"{report.first_nonfinite[1] or '<model>'!r} ({report.first_nonfinite[0]})")
@@ -140,16 +140,21 @@ def _summary(report: Report) -> list[str]:
             f"FLOPs: {flops}; {report.low_precision_share:.0%} below fp32", ""]
 
 
-_COLUMNS = ("module", "type", "out dtype", "out SQNR dB", "underflow", "overflow",
-            "grad SQNR dB", "grad uflow", "grad oflow", "non-finite")
+COLUMNS = ("module", "type", "out dtype", "out SQNR dB", "underflow", "overflow",
+           "grad SQNR dB", "grad uflow", "grad oflow", "non-finite")
+
+
+def module_cells(m: ModuleStats) -> tuple[str, ...]:
+    """The table cells of one module, under :data:`COLUMNS` (``ampkit doctor`` shows these)."""
+    return (m.name or "<model>", m.type, dtype_name(m.out_dtype) or "-",
+            _db(m.out_sqnr_db), _pct(m.underflow), _pct(m.overflow),
+            _db(m.grad_sqnr_db), _pct(m.grad_underflow), _pct(m.grad_overflow),
+            "yes" if m.nonfinite else "")
 
 
 def _module_table(modules: list[ModuleStats]) -> list[str]:
-    rows = [_COLUMNS] + [(m.name or "<model>", m.type, dtype_name(m.out_dtype) or "-",
-                          _db(m.out_sqnr_db), _pct(m.underflow), _pct(m.overflow),
-                          _db(m.grad_sqnr_db), _pct(m.grad_underflow), _pct(m.grad_overflow),
-                          "yes" if m.nonfinite else "") for m in modules]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    rows = [COLUMNS] + [module_cells(m) for m in modules]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     return ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w)
                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
 
@@ -166,7 +171,8 @@ def _pct(value: Optional[float]) -> str:
     return "0" if value == 0 else f"{value:.2%}" if value >= 1e-4 else f"{value:.1e}"
 
 
-def _si(n: int) -> str:
+def format_count(n: int) -> str:
+    """A count in three significant digits with a k/M/G/T suffix ("647k")."""
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.3g}{unit}"
