@@ -52,6 +52,27 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     return swaps, skips
 
 
+def eligible_linears(model: nn.Module, module_filter: Optional[ModuleFilter] = None
+                     ) -> list[tuple[str, nn.Linear]]:
+    """The (name, layer) pairs :func:`convert_to_fp8` would swap, in module order.
+
+    Example:
+        >>> [name for name, _ in eligible_linears(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10)))]
+        ['0']
+    """
+    if isinstance(model, nn.Linear) and not isinstance(model, Float8Linear):
+        return [] if _skip_reason(model, "", module_filter) else [("", model)]
+    swaps, _ = _plan(model, module_filter)
+    names = {id(module): name for name, module in model.named_modules()}
+    seen: set[int] = set()
+    out = []
+    for _, _, linear in swaps:
+        if id(linear) not in seen:
+            seen.add(id(linear))
+            out.append((names[id(linear)], linear))
+    return out
+
+
 def _check_devices(config: Float8Config, linears: list[nn.Linear]) -> None:
     """Refuse emulate=False before the first swap, not at the first forward."""
     # A "meta" model is checked at its first forward, once it is on a real device.
