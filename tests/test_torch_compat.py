@@ -146,6 +146,35 @@ def _dispatch_mode() -> None:
     _check("TorchDispatchMode", torch.ops.aten.mm.default in ops, f"saw {ops}, not aten.mm")
 
 
+def _eager_dispatch_mode() -> None:
+    ops = []
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+    eager = type("Eager", (tc.EagerDispatchMode,), {"__torch_dispatch__": dispatch})
+    _check("EagerDispatchMode", eager.__dict__["__torch_dispatch__"] is dispatch,
+           "torch wrapped __torch_dispatch__ all the same: its _should_skip_dynamo hook is "
+           "renamed or gone")
+    with eager():
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    _check("EagerDispatchMode", torch.ops.aten.mm.default in ops, f"saw {ops}, not aten.mm")
+
+
+def _aten_to_copy() -> None:
+    ops = []
+
+    class Count(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.ones(2).to(torch.float16)
+    _check("aten_to_copy", tc.aten_to_copy in ops, f".to(float16) dispatched {ops}")
+
+
 def _group_tensors() -> None:
     a, h, b = torch.ones(2), torch.ones(3, dtype=torch.float16), torch.zeros(2)
     groups = tc.group_tensors_by_device_and_dtype([[a, h, b]], True)
@@ -189,6 +218,15 @@ def _foreach() -> None:
            and dst[1].item() == 1.0, f"copied into {dst}")
     tc.foreach_add_(dst, src)
     _check("foreach_add_", dst[0].tolist() == [2.0, 2.0], f"added into {dst}")
+
+
+def _sparse_values() -> None:
+    grad = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (2,),
+                                   check_invariants=True)
+    values = tc.sparse_values(grad)
+    values.mul_(2)  # an uncoalesced gradient, unscaled in place through its values
+    _check("sparse_values", not grad.is_coalesced() and grad.coalesce().to_dense().tolist() == [6.0, 0.0],
+           f"the values {values} of an uncoalesced sparse tensor do not share its storage")
 
 
 def _opt_state() -> None:
@@ -265,19 +303,37 @@ def _local_slots() -> None:
     _check("local_buffers", model.buf.item() == 0, "writing a buffer slot does not set the buffer")
 
 
-def _module_apply() -> None:
+def _after_apply() -> None:
     params = tuple(inspect.signature(nn.Module._apply).parameters)[1:]
-    _check("MODULE_APPLY_PARAMS", params == tc.MODULE_APPLY_PARAMS,
-           f"nn.Module._apply takes {params}, not {tc.MODULE_APPLY_PARAMS}")
-    calls = []
+    _check("AfterApply", params == ("fn", "recurse"), f"nn.Module._apply takes {params}, not "
+           "(fn, recurse)")
+    seen = []
 
-    class Probe(nn.Linear):
-        def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-            calls.append(recurse)
-            return super()._apply(fn, recurse)
+    class Probe(tc.AfterApply, nn.Linear):
+        def after_apply(self) -> None:
+            seen.append(self.weight.dtype)
 
     nn.Sequential(Probe(2, 2)).to(torch.float64).half()
-    _check("MODULE_APPLY_PARAMS", len(calls) == 2, ".to()/.half() of a parent no longer reach _apply")
+    _check("AfterApply", seen == [torch.float64, torch.float16],
+           f".to(float64)/.half() of a parent gave after_apply calls seeing {seen}")
+
+
+def _batch_norm_base() -> None:
+    norms = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    others = (nn.InstanceNorm2d, nn.LayerNorm, nn.GroupNorm)
+    _check("BatchNormBase", all(issubclass(t, tc.BatchNormBase) for t in norms)
+           and not any(issubclass(t, tc.BatchNormBase) for t in others),
+           "not the base of exactly the batch norms (BatchNorm1d/2d/3d, SyncBatchNorm)")
+
+
+def _fsdp2() -> None:
+    if not torch.distributed.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    module = tc.fsdp2()
+    expected = "torch.distributed.fsdp" if tc.TORCH_VERSION >= (2, 6) else "torch.distributed._composable.fsdp"
+    _check("fsdp2", module.__name__ == expected and all(
+           hasattr(module, name) for name in ("fully_shard", "MixedPrecisionPolicy", "FSDPModule")),
+           f"FSDP2 found in {module.__name__}, not {expected}")
 
 
 def _scaled_mm() -> None:
@@ -309,15 +365,18 @@ CHECKS: dict[str, Callable[[], None]] = {
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "TorchDispatchMode": _dispatch_mode,
+    "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
-    "foreach_copy_": _foreach, "foreach_add_": _foreach, "OptState": _opt_state,
+    "foreach_copy_": _foreach, "foreach_add_": _foreach, "sparse_values": _sparse_values,
+    "OptState": _opt_state,
     "STEP_SUPPORTS_AMP_SCALING": _step_supports,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
     "local_parameters": _local_slots, "local_buffers": _local_slots, "local_modules": _local_slots,
-    "MODULE_APPLY_PARAMS": _module_apply, "scaled_mm": _scaled_mm,
+    "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
+    "scaled_mm": _scaled_mm,
     "cpu_capabilities": _cpu_capabilities,
 }
 _HELPERS = {"TORCH_VERSION", "TORCH_FLOOR", "TORCH_GE_2_12", "TORCH_PATHS", "parse_version",
@@ -363,31 +422,54 @@ def test_autocast_call_checks_callables_from_2_12():
 
 # --- one place: no private torch API outside _torch_compat ----------------------------------
 _SRC = Path(__file__).resolve().parents[1] / "src" / "ampkit"
-# In code (comments and strings left out): torch._x, ._C, nn.Module's private slots, and the
-# private names imported from public modules or read by attribute name.
-_PRIVATE = re.compile(r"\btorch\._(?!_)\w+|\._C\b|\._(?:parameters|buffers|modules)\b"
+# In code (comments and docstrings left out): a private name on a torch path (torch._x,
+# torch.nn.modules.batchnorm._BatchNorm, torch.ops.aten._to_copy, from torch.x import _y),
+# ._C, nn.Module's private slots, a sparse tensor's _values()/_indices(), overrides of
+# torch's private methods (super()._apply, _should_skip_dynamo), and the private names
+# imported from public modules, read by attribute name, or imported by dotted-path string.
+_PRIVATE = re.compile(r"\b(?:torch|nn|aten)(?:\.\w+)*\._(?!_)\w+|\bfrom torch(?:\.\w+)* import _(?!_)\w+"
+                      r"|\._C\b|\._(?:parameters|buffers|modules)\b|\._(?:values|indices)(?= \()"
+                      r"|\bsuper \( \)\._(?!_)\w+|\bdef _should_skip_dynamo\b"
                       r"|\bgrad_scaler import OptState\b|\boptimizer import register_optimizer_step_pre_hook\b"
                       r"|\btorch\.Event\b")
 _PRIVATE_STRINGS = {"'_step_supports_amp_scaling'", '"_step_supports_amp_scaling"'}
-# Modules of another change (the scaler/frontend split); each entry they need exists in
-# _torch_compat already. Remove a file from here once it is routed (the test says when).
-_NOT_YET_ROUTED = {"scaler.py", "_unscale.py", "master.py", "optim.py", "apply.py",
-                   "frontend/scale_loss.py"}
+_PRIVATE_PATH_STRING = re.compile(r"""^[rRbBuU]?(["'])torch(?:\.\w+)*\._(?!_)\w+[\w.]*\1$""")
 
 
-def _private_uses(path: Path) -> list[str]:
-    tokens = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+def _private_uses(source: str) -> list[str]:
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     code = " ".join(t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
     found = set(_PRIVATE.findall(code.replace(" . ", ".")))
-    found |= {t.string for t in tokens if t.type == tokenize.STRING and t.string in _PRIVATE_STRINGS}
+    found |= {t.string for t in tokens if t.type == tokenize.STRING
+              and (t.string in _PRIVATE_STRINGS or _PRIVATE_PATH_STRING.match(t.string))}
     return sorted(found)
+
+
+@pytest.mark.parametrize("line", [
+    "torch._foreach_copy_(a, b)", "torch._C._group_tensors_by_device_and_dtype([g], False)",
+    "x = nn.modules.batchnorm._BatchNorm", "f = torch.ops.aten._to_copy.default",
+    "from torch.utils._python_dispatch import TorchDispatchMode", "from torch.utils import _pytree",
+    "from torch.amp.grad_scaler import OptState", "e = torch.Event(device=d)", "v = grad._values()",
+    "for k in module._buffers: pass", "getattr(opt, '_step_supports_amp_scaling', False)",
+    "m = importlib.import_module('torch.distributed._composable.fsdp')",
+    "class M(nn.Linear):\n    def _apply(self, fn, recurse=True):\n        return super()._apply(fn, recurse)",
+    "class M(TorchDispatchMode):\n    @classmethod\n    def _should_skip_dynamo(cls):\n        return False",
+    "from torch.optim.optimizer import register_optimizer_step_pre_hook",
+])
+def test_the_scan_sees_each_private_form(line):
+    assert _private_uses(line + "\n"), f"the scan misses: {line}"
+
+
+@pytest.mark.parametrize("line", [
+    "import torch", "print(torch.__version__)", "x = torch.float16", "def _apply(p): pass",
+    "self._values = {}", '"""Calls torch._scaled_mm (a docstring)."""', "# torch._foreach_add_",
+])
+def test_the_scan_leaves_public_and_own_names(line):
+    assert not _private_uses(line + "\n")
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(_SRC).as_posix() for p in _SRC.rglob("*.py")
                                         if p.name != "_torch_compat.py"))
 def test_private_torch_apis_only_in_torch_compat(path):
-    found = _private_uses(_SRC / path)
-    if path in _NOT_YET_ROUTED:
-        assert found, f"{path} is routed now: remove it from _NOT_YET_ROUTED"
-        pytest.skip(f"{path} still uses {found} directly (routed by the scaler/frontend split)")
+    found = _private_uses((_SRC / path).read_text())
     assert not found, f"{path} uses {found} directly; add an entry to _torch_compat and use it"

@@ -44,15 +44,17 @@ __all__ = [
     "is_autocast_cache_enabled", "set_autocast_cache_enabled", "autocast_increment_nesting",
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
-    # compile
-    "is_compiling", "dynamo_reset", "TorchDispatchMode",
+    # compile and dispatch modes
+    "is_compiling", "dynamo_reset", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
-    "amp_update_scale_", "foreach_copy_", "foreach_add_", "OptState",
+    "amp_update_scale_", "foreach_copy_", "foreach_add_", "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
-    "local_buffers", "local_modules", "MODULE_APPLY_PARAMS",
+    "local_buffers", "local_modules", "AfterApply", "BatchNormBase",
+    # distributed
+    "fsdp2",
     # fp8 and hardware
     "scaled_mm", "cpu_capabilities",
 ]
@@ -169,6 +171,24 @@ def dynamo_reset() -> None:
 # Base class of the op counters in tests and benchmarks/bench_host.py; since 2.0.
 TorchDispatchMode = _entry("torch.utils._python_dispatch.TorchDispatchMode")
 
+
+class EagerDispatchMode(TorchDispatchMode):  # type: ignore[misc,valid-type]
+    """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch leaves unwrapped.
+
+    torch 2.11+ wraps a subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``
+    unless its private classmethod ``_should_skip_dynamo()`` says False; the wrapper
+    imports torch._dynamo on first use (seconds, once per process). For modes that only
+    see eager code (diagnose.FlopCounter). torch 2.5 has no such hook and wraps nothing.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+# The aten op ``.to(dtype)`` dispatches to (a dispatch mode sees fp8 widened to fp32); 1.10.
+aten_to_copy = _entry("torch.ops.aten._to_copy.default")
+
 # --- loss scaling and optimizers (scaler.py, _unscale.py, master.py, frontend/) ---------------
 # {(device, dtype): ([[tensors]], indices)} in one C++ pass over a list of tensor lists; 2.1.
 group_tensors_by_device_and_dtype = _entry("torch._C._group_tensors_by_device_and_dtype")
@@ -180,6 +200,9 @@ amp_update_scale_ = _entry("torch._amp_update_scale_")
 foreach_copy_ = _entry("torch._foreach_copy_")
 # Multi-tensor add: put set-aside gradients back (scale_loss); since 1.7.
 foreach_add_ = _entry("torch._foreach_add_")
+# Tensor._values(t): a sparse COO tensor's values, coalesced or not (the public .values()
+# refuses an uncoalesced one), sharing its storage: unscaled in place; since 1.0.
+sparse_values = _entry("torch.Tensor._values")
 # READY/UNSCALED/STEPPED: the per-optimizer stage enum of torch.amp's GradScaler; since 2.3.
 OptState = _entry("torch.amp.grad_scaler.OptState")
 # The attribute a fused optimizer sets to unscale itself from ``grad_scale``/``found_inf``
@@ -231,10 +254,56 @@ def local_modules(module: nn.Module) -> dict[str, Optional[nn.Module]]:
     return module._modules
 
 
-# nn.Module._apply(fn, recurse): the private method that .to()/.cuda()/.half()/.float()
-# all end in; Float8Linear overrides it to re-decide its backend after a move. The
-# recurse argument since 2.0; the test checks the signature and that .to() reaches it.
-MODULE_APPLY_PARAMS: tuple[str, ...] = ("fn", "recurse")
+
+class AfterApply(nn.Module):
+    """Mixin whose ``after_apply()`` runs after every ``.to()``/``.cuda()``/``.half()``/``.float()``.
+
+    Those all end in the private ``nn.Module._apply(fn, recurse)`` (``recurse`` since
+    2.0, so also on 2.5), which this overrides. List it first: ``class L(AfterApply,
+    nn.Linear)``; Float8Linear re-decides its backend there after a move.
+    """
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        result = super()._apply(fn, recurse)
+        self.after_apply()
+        return result
+
+    def after_apply(self) -> None:
+        """Called with the module's own tensors already moved or cast."""
+
+
+# The base class of BatchNorm1d/2d/3d and SyncBatchNorm (not of the instance norms);
+# private since 1.0, no public equivalent.
+BatchNormBase = _entry("torch.nn.modules.batchnorm._BatchNorm")
+
+# --- distributed -----------------------------------------------------------------------------
+_FSDP2_PUBLIC = "torch.distributed.fsdp"  # since 2.6
+_FSDP2_COMPOSABLE = "torch.distributed._composable.fsdp"  # 2.5 (still there in 2.13)
+_FSDP2_NAMES = ("fully_shard", "MixedPrecisionPolicy", "FSDPModule")
+
+
+def fsdp2() -> types.ModuleType:
+    """The module holding FSDP2's ``fully_shard``, ``MixedPrecisionPolicy`` and ``FSDPModule``.
+
+    ``torch.distributed.fsdp`` exports them since torch 2.6; torch 2.5 has them in the
+    private ``torch.distributed._composable.fsdp``. Imported on first call: importing
+    either costs about a second, so ``import ampkit`` does not.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("ampkit.distributed needs torch.distributed, which this torch build "
+                           "lacks; valid: a torch build with distributed support (the pip wheels)")
+    for path in (_FSDP2_PUBLIC, _FSDP2_COMPOSABLE):
+        try:
+            module = importlib.import_module(path)
+        except ImportError:
+            continue
+        if all(hasattr(module, name) for name in _FSDP2_NAMES):
+            return module
+    raise RuntimeError(f"ampkit.distributed needs FSDP2 ({', '.join(_FSDP2_NAMES)}) from "
+                       f"{_FSDP2_PUBLIC} or {_FSDP2_COMPOSABLE}, which this torch lacks; "
+                       "valid: torch 2.5 or newer")
 
 # --- fp8 -----------------------------------------------------------------------------------
 # Looked up per call, not bound: tests swap torch._scaled_mm for a strict fake.

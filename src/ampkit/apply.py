@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ._checks import as_list, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
+from ._torch_compat import local_buffers
 from .autocast import autocast
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
@@ -271,9 +272,10 @@ def _restore_fp32(model: nn.Module, earlier: dict[int, Tensor]) -> None:
             master = earlier.get(id(param))
             param.data = master.detach().clone() if master is not None else param.data.float()
     for module in model.modules():
-        for name, buffer in module._buffers.items():
+        buffers = local_buffers(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.dtype in HALF_DTYPES:
-                module._buffers[name] = buffer.float()
+                buffers[name] = buffer.float()
 
 
 @torch.no_grad()

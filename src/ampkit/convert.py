@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree
 from ._torch_compat import (
+    BatchNormBase,
     local_buffers,
     local_parameters,
     register_load_state_dict_pre_hook,
@@ -34,7 +35,7 @@ from ._torch_compat import (
 from .master import master_of
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
-BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (BatchNormBase,)
 _HANDLE_ATTR = "_ampkit_convert_handle"
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ._dtypes import HALF_DTYPES
+from ._torch_compat import foreach_copy_
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -150,7 +151,7 @@ class MasterWeights:
                 src.append(master)
             self._copy_groups = list(groups.values())
         for dst, src in self._copy_groups:
-            torch._foreach_copy_(dst, src)
+            foreach_copy_(dst, src)
 
     def clear_master_grads(self) -> None:
         """Drop the master gradients (they are consumed by the step, as apex did)."""
@@ -201,7 +202,7 @@ def _to_fp32(params: list[Tensor]) -> list[Tensor]:
             sizes = [g.numel() for g in grads]
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             views = [part.view(g.shape) for g, part in zip(grads, flat.split(sizes))]
-            torch._foreach_copy_(views, grads)
+            foreach_copy_(views, grads)
             for i, view in zip(bucket, views):
                 out[i], params[i].grad = view, None
     return out  # type: ignore[return-value]

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import Tensor
 
+from ._torch_compat import register_optimizer_step_pre_hook
 from .master import MASTER_MARK, MasterWeights
 
 ATTR = "_amp_stash"

@@ -21,13 +21,12 @@ from torch import Tensor
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_compat import TorchDispatchMode
+from .._torch_compat import EagerDispatchMode, aten_to_copy
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_TO_COPY = torch.ops.aten._to_copy.default
 
 
-class FlopCounter(TorchDispatchMode):
+class FlopCounter(EagerDispatchMode):
     """Counts matmul and convolution FLOPs by operand dtype while it is entered.
 
     Example:
@@ -43,13 +42,6 @@ class FlopCounter(TorchDispatchMode):
         # fp32 tensors widened from fp8 (emulated fp8 GEMM operands) -> that fp8 dtype.
         self._widened: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # Recent torch (2.13 here) wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless
-        # this says False; the wrapper imports torch._dynamo on first use (seconds, once
-        # per process). This mode only runs eager code, so there is nothing to skip.
-        return False
-
     @property
     def flops(self) -> dict[str, int]:
         """{dtype name: FLOPs} counted so far."""
@@ -62,7 +54,7 @@ class FlopCounter(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             self._counts[self._dtype_name(args)] += int(formula(*args, **kwargs, out_val=out))
-        elif func is _TO_COPY and isinstance(args[0], Tensor) and args[0].dtype in FP8_DTYPES:
+        elif func is aten_to_copy and isinstance(args[0], Tensor) and args[0].dtype in FP8_DTYPES:
             self._widened[out] = args[0].dtype
         return out
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from .. import keep
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
+from .._torch_compat import fsdp2
 from ..apply import is_sharded
 from ..convert import BATCHNORM_TYPES, cast_model, conversion_of
 from ..policy import Policy, get_policy
-from ._api import fsdp2
 
 if TYPE_CHECKING:  # importing FSDP2 costs about a second: only where it is used
     from torch.distributed.device_mesh import DeviceMesh

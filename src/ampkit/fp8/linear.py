@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import capability, fp8_supported
-from .._torch_compat import get_autocast_dtype, is_autocast_enabled, is_compiling, scaled_mm
+from .._torch_compat import (AfterApply, get_autocast_dtype, is_autocast_enabled, is_compiling,
+                             scaled_mm)
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
@@ -233,7 +234,7 @@ def _caller_stacklevel() -> int:
     return level
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(AfterApply, nn.Linear):
     """An nn.Linear whose forward and backward matmuls run in fp8.
 
     Args:
@@ -306,11 +307,9 @@ class Float8Linear(nn.Linear):
         self._native = False
         self._resolve_backend()
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        # torch's private hook (_torch_compat.MODULE_APPLY_PARAMS): .to()/.cuda()/.half()
-        # land here; decide the backend for the new device now, in eager code, so a
-        # compiled forward only reads a Python bool.
-        result = super()._apply(fn, recurse)
+    def after_apply(self) -> None:
+        # After .to()/.cuda()/.half() (_torch_compat.AfterApply): decide the backend for
+        # the new device now, in eager code, so a compiled forward only reads a Python bool.
         for name in _ROLE_NAMES:
             history = getattr(self, f"amax_history_{name}")
             if history is not None and history.dtype != torch.float32:
@@ -318,7 +317,6 @@ class Float8Linear(nn.Linear):
                 # history would make the next scale too large and saturate.
                 setattr(self, f"amax_history_{name}", history.float())
         self._resolve_backend()
-        return result
 
     def _resolve_backend(self) -> bool:
         """Whether this layer calls torch._scaled_mm: decided once per weight device."""

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .. import _state
 from .._checks import as_list, check_bool
+from .._torch_compat import STEP_SUPPORTS_AMP_SCALING, Event, foreach_add_
 from ..apply import OptimizerArg
 from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
 from ..scaler import GradScaler, check_floor, unscale_grads_
@@ -129,7 +130,7 @@ class _Held:
             return
         summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
         if summed:
-            torch._foreach_add_([g for g, _ in summed], [old for _, old in summed])
+            foreach_add_([g for g, _ in summed], [old for _, old in summed])
         for param, old in pairs:
             if param.grad is None:
                 param.grad = old
@@ -201,7 +202,7 @@ def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
             optimizers: list[torch.optim.Optimizer], loss_id: int) -> None:
     scaler.update_from(found_inf)
     names = ", ".join(type(opt).__name__ for opt in optimizers)
-    if all(getattr(opt, "_step_supports_amp_scaling", False) for opt in optimizers):
+    if all(getattr(opt, STEP_SUPPORTS_AMP_SCALING, False) for opt in optimizers):
         # Fused optimizers skip on the device: no host sync here, whatever the log level.
         # A listening logger gets the overflow later, from a copy already on the host.
         for optimizer in optimizers:
@@ -243,7 +244,7 @@ class _OverflowNote:
         flag._ampkit_host_copy = True  # type: ignore[attr-defined]  # read without a sync
         event = None
         if found_inf.device.type != "cpu":
-            event = torch.Event(device=found_inf.device)
+            event = Event(device=found_inf.device)
             event.record()
         return cls(flag, event, names, loss_id)
 
