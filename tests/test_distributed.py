@@ -8,16 +8,13 @@ with a GradScaler when only rank 1 overflows, and a DCP save/load resume.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import io
 import json
 import os
 import runpy
-import socket
 import sys
-import time
 from contextlib import redirect_stdout
 from pathlib import Path
 from unittest import mock
@@ -25,12 +22,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import ampkit
 from ampkit._torch_compat import TORCH_VERSION
 from ampkit.distributed import TrainState, fsdp_policy, is_sharded, shard
+
+from _dist import free_ports, spawn
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -375,26 +373,6 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
     Path(f"{out_dir}/rank{rank}.json").write_text(json.dumps(result))
 
 
-def _free_ports(count: int) -> list[int]:
-    """Ports free now, all bound at once so that they differ."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def _spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
-    """mp.spawn with a deadline: a hung collective fails the test instead of the suite."""
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {nprocs} workers did not finish within {timeout_s:.0f} s")
-
-
 # The one spawn (shared by the tests below) takes 20-30 s on two busy cores, most of it
 # starting two Python processes and importing torch and FSDP2 in each.
 TWO_PROCESSES = pytest.mark.slow
@@ -403,7 +381,7 @@ TWO_PROCESSES = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dist")
-    _spawn(_worker, (_free_ports(4), str(out)), 2, SPAWN_TIMEOUT_S)
+    spawn(_worker, (free_ports(4), str(out)), 2, SPAWN_TIMEOUT_S)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

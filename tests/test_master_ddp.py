@@ -7,26 +7,21 @@ local one (apex O2 + DDP was the usual multi-GPU setup).
 
 import gc
 import json
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import ampkit as amp
 from ampkit.optim import master_weights_of
 
+from _dist import free_ports, spawn
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 LOOPS = ("scale_loss", "gradscaler")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -102,7 +97,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_o2_under_ddp_steps_the_masters_with_the_reduced_gradients(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (free_ports(1)[0], str(tmp_path)), 2, timeout_s=120)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert len(rank0) == 4
     for key in rank0:

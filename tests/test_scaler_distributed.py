@@ -1,24 +1,19 @@
 """process_group: two CPU processes on gloo, one of them given an inf, skip together."""
 
 import json
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from ampkit.scaler import GradScaler
 
+from _dist import free_ports, spawn
+
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(rank, kind, group):
@@ -65,7 +60,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.mark.slow
 def test_all_ranks_skip_together_when_one_overflows(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (free_ports(1)[0], str(tmp_path)), 2, timeout_s=120)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for kind in ("plain", "fused"):
         assert rank0[kind] == rank1[kind], kind
