@@ -57,6 +57,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--isolate", choices=("auto", "always", "never"), default="auto",
                    help="a fresh process per policy: auto = on CPU, where peak RSS only grows "
                    "within a process (default auto)")
+    p.add_argument("--nproc", type=int, metavar="N", help="run on N processes under torchrun "
+                   "(gloo on CPU, nccl on CUDA, rank r on cuda:r) and report global samples/s "
+                   "and scaling efficiency against one process, measured in the same run")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), help="with --nproc: ddp (DistributedDataParallel, "
+                   "default) or fsdp (FSDP2 through ampkit.distributed.shard)")
 
 
 
@@ -71,7 +76,7 @@ def default_policies(device: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the requested policies on one model and print/write the comparison."""
-    from ..bench import report
+    from ..bench import parallel, report
     from ..bench.runner import BenchSettings, parse_policy_list, run_bench
     from ..bench.workloads import get_workload
 
@@ -79,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cuda = torch.device(device).type == "cuda"
     specs = [spec for text in (args.policies or [default_policies(device)])
              for spec in parse_policy_list(text, torch.device(device).type)]
+    plan = parallel.check_plan(args.nproc, args.parallel, specs, device)  # None: one process
     if args.plot:
         report.require_matplotlib(args.plot)
     check_output_paths(json=args.json, plot=args.plot)
@@ -92,11 +98,19 @@ def run(args: argparse.Namespace) -> int:
     isolate = {"always": True, "never": False, "auto": not cuda}[args.isolate]
     out = sys.stderr if args.json == "-" else sys.stdout
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
-    with report.Progress(enabled=show) as progress:
-        results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
+    if plan is not None:  # N ranks under torchrun, each with one process for all policies
+        isolate, results = False, parallel.run_parallel_bench(specs, settings, plan)
+    else:
+        with report.Progress(enabled=show) as progress:
+            results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
     document = _bench_document(results, settings, workload.description, isolate, device)
     report.render_table(f"ampkit bench: {workload.description} on {device}", report.BENCH_HEADERS,
                         report.bench_rows(results), out, report.BENCH_LEFT)
+    if plan is not None:
+        document.update(plan.fields())
+        report.render_table(f"scaling: {plan.nproc} ranks, {plan.parallel.value}",
+                            parallel.SCALING_HEADERS, parallel.scaling_rows(results), out)
+        document["verdict"].append(parallel.scaling_sentence(plan, results))
     for line in document["verdict"]:
         print(line, file=out)
     if args.json:

@@ -1,0 +1,364 @@
+"""``ampkit bench --nproc N``: the same policies on N processes under torchrun (DDP or FSDP2).
+
+The command relaunches itself: ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m ampkit.bench.parallel JOB`` starts N ranks (gloo on a CPU, nccl on
+CUDA, rank r on ``cuda:r``). For each policy, every rank trains the same steps with the
+model in DDP (the policy applied first, as ``initialize`` wants) or sharded by
+``ampkit.distributed.shard`` (FSDP2), each timing its own steps. Then rank 0 trains alone,
+unwrapped, while the others wait at a barrier: the one-process baseline, with the same
+threads a rank has. Rank 0 gathers the per-rank numbers and writes the results for the
+parent, which renders them like any bench.
+
+Numbers: global samples/s = N × batch / the slowest rank's median step time (every step
+waits for the gradient all-reduce, so the ranks keep pace with the slowest); scaling
+efficiency = global samples/s / (N × the one-process samples/s). Every rank trains on
+the same synthetic batches: the throughput is what is measured, and under DDP the loss
+curve then equals the one-process curve, which the result reports as a check.
+
+A rank that fails writes its error to a file before it exits; torchrun then stops the
+others, and the parent raises ``RankError`` naming the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .._torch_compat import TORCH_VERSION
+from .errors import UsageError
+from .runner import (BenchSettings, OptimizerFactory, PolicySpec, Precision, compare,
+                     max_loss_deviation, parse_policy, run_policy)
+
+__all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "run_parallel_bench",
+           "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
+
+_PG_TIMEOUT = datetime.timedelta(minutes=60)  # the baseline runs while the others wait
+_RESULTS, _ERROR = "results.json", "error-rank{}.json"
+
+
+class Parallel(str, enum.Enum):
+    """How the ranks share the model: DDP replicas or FSDP2 shards."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+class RankError(RuntimeError):
+    """A rank of a multi-process run failed; the message names it and its error."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What a multi-process bench launches, checked before anything starts.
+
+    Args:
+        nproc: ranks (processes) on this machine.
+        parallel: DDP or FSDP2 (``ampkit.distributed.shard``).
+        backend: "gloo" on a CPU, "nccl" on CUDA.
+        threads: intra-op threads of each rank (and of the one-process baseline).
+
+    Example:
+        >>> check_plan(1, None, [], "cpu").backend
+        'gloo'
+    """
+
+    nproc: int
+    parallel: Parallel
+    backend: str
+    threads: int
+
+    def fields(self) -> dict[str, Any]:
+        """The JSON document's top-level entries for this plan."""
+        return {"nproc": self.nproc, "parallel": self.parallel.value, "backend": self.backend,
+                "threads_per_rank": self.threads}
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def check_plan(nproc: Optional[int], parallel: Optional[str], specs: list[PolicySpec],
+               device: str) -> Optional[ParallelPlan]:
+    """Validate ``--nproc``/``--parallel`` for the policies and device; None without --nproc.
+
+    Raises:
+        UsageError: nproc below 1 or above what the machine runs side by side (its CPU
+            cores, or its GPUs), ``--parallel`` without ``--nproc``, a device index with
+            ``--nproc``, or a policy FSDP2 cannot run under ``--parallel fsdp``.
+    """
+    if nproc is None:
+        if parallel is not None:
+            raise UsageError(f"--parallel {parallel} needs --nproc N; valid: --nproc 1 or more "
+                             "with --parallel ddp|fsdp")
+        return None
+    mode = _parallel(parallel)
+    cuda = torch.device(device).type == "cuda"
+    limit, what = (torch.cuda.device_count(), "GPUs") if cuda else (usable_cores(), "CPU cores")
+    if not 1 <= nproc <= limit:
+        raise UsageError(f"--nproc {nproc}: this machine runs 1 to {limit} ranks side by side "
+                         f"({limit} {what}); valid: 1 to {limit}")
+    if cuda and torch.device(device).index is not None:
+        raise UsageError(f"--device {device} with --nproc: rank r runs on cuda:r; valid: "
+                         "--device cuda")
+    if mode is Parallel.FSDP:
+        _check_fsdp(specs, cuda)
+    return ParallelPlan(nproc, mode, "nccl" if cuda else "gloo", max(1, usable_cores() // nproc))
+
+
+def _parallel(name: Optional[str]) -> Parallel:
+    try:
+        return Parallel(name or Parallel.DDP.value)
+    except ValueError:
+        raise UsageError(f"unknown --parallel {name!r}; valid: "
+                         f"{', '.join(p.value for p in Parallel)}") from None
+
+
+def _check_fsdp(specs: list[PolicySpec], cuda: bool) -> None:
+    if TORCH_VERSION < (2, 6) and not cuda:
+        raise UsageError(f"--parallel fsdp on a CPU needs torch 2.6 or later (FSDP2 in torch "
+                         f"{torch.__version__} needs CUDA streams); valid: --parallel ddp")
+    for spec in specs:
+        if spec.fp8_recipe is not None:
+            raise UsageError(f"--parallel fsdp cannot run policy {spec.label!r}: the bench's fp8 "
+                             "layers are not sharded by ampkit.distributed.shard; valid: "
+                             "--parallel ddp for fp8, or policies without fp8 under fsdp")
+
+
+# --- the parent: launch torchrun, read what rank 0 wrote ---------------------------------------
+def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
+                       plan: ParallelPlan) -> list[dict[str, Any]]:
+    """Run every policy on ``plan.nproc`` ranks under torchrun; the results, compared.
+
+    Each result is the bench's per-policy result with the global ``samples_per_s``,
+    ``scaling_efficiency``, ``samples_per_s_1proc``, ``per_rank`` numbers (step time,
+    samples/s, peak memory) and ``peak_mem_mib`` the largest rank's.
+
+    Raises:
+        RankError: a rank failed (the message names the first that did, and its error).
+    """
+    with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
+        job = os.path.join(folder, "job.json")
+        with open(job, "w") as out:
+            json.dump({"policies": [s.label for s in specs], "settings": asdict(settings),
+                       "parallel": plan.parallel.value, "backend": plan.backend,
+                       "threads": plan.threads, "folder": folder}, out)
+        status, log = _launch(job, plan, folder)
+        results_path = os.path.join(folder, _RESULTS)
+        if status != 0 or not os.path.exists(results_path):
+            if os.environ.get("AMPKIT_DEBUG"):
+                sys.stderr.write(log)
+            raise RankError(_failure(folder, log, status))
+        with open(results_path) as src:
+            return compare(json.load(src))
+
+
+def _launch(job: str, plan: ParallelPlan, folder: str) -> tuple[int, str]:
+    """torchrun with N ranks; its exit status and everything it and the ranks printed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={plan.nproc}", "--max-restarts=0", "-m", __name__, job]
+    env = _rank_env(plan.threads)
+    with open(os.path.join(folder, "torchrun.log"), "w+") as log:
+        # Its own session: an interrupt stops torchrun, which stops its ranks.
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        try:
+            status = child.wait()
+        except BaseException:
+            _stop(child)
+            raise
+        log.seek(0)
+        return status, log.read()
+
+
+def _stop(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
+    try:
+        child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _rank_env(threads: int) -> dict[str, str]:
+    # The ranks must import this very ampkit (however the parent found it), and a user
+    # model "package.module:function" from the current folder.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    paths = [package_root, os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["OMP_NUM_THREADS"] = str(threads)  # torchrun would set 1 and warn about it
+    return env
+
+
+def _failure(folder: str, log: str, status: int) -> str:
+    """One line: the rank that failed first and its error, from its file or torchrun's log."""
+    errors = []
+    for name in os.listdir(folder):
+        if name.startswith("error-rank"):
+            with open(os.path.join(folder, name)) as src:
+                errors.append(json.load(src))
+    if errors:
+        first = min(errors, key=lambda e: e["time"])  # the others failed because it did
+        return f"rank {first['rank']} failed: {first['error']}"
+    # No error file: the rank died without Python's help (a signal, os._exit, the OOM killer);
+    # torchrun's report names the first that did under "Root Cause".
+    root = log[log.find("Root Cause"):] if "Root Cause" in log else ""
+    rank = re.search(r"\brank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    if rank and code:
+        return f"rank {rank.group(1)} died: {_exit_reason(int(code.group(1)))}"
+    last = (log.strip().splitlines() or ["no output"])[-1]
+    return f"torchrun exited with status {status}: {' '.join(last.split())}"
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+# --- the table and the sentence -----------------------------------------------------------
+SCALING_HEADERS = ("policy", "samples/s 1 proc", "samples/s N procs", "efficiency",
+                   "peak MiB per rank", "Δloss vs 1 proc")
+
+
+def scaling_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per policy: one-process and global throughput, efficiency, per-rank memory."""
+    def num(value: Optional[float], spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+    return [[r["policy"], num(r["samples_per_s_1proc"], ",.1f"), num(r["samples_per_s"], ",.1f"),
+             num(r["scaling_efficiency"], ".2f"),
+             " / ".join(num(p["peak_mem_mib"], ",.0f") for p in r["per_rank"]),
+             num(r["loss_dev_vs_1proc"], ".2g")] for r in results]
+
+
+def scaling_sentence(plan: ParallelPlan, results: list[dict[str, Any]]) -> str:
+    """What the scaling numbers mean, in words."""
+    effs = ", ".join(f"{r['policy']} {r['scaling_efficiency']:.2f}" for r in results
+                     if r["scaling_efficiency"] is not None)
+    return (f"{plan.nproc} ranks ({plan.parallel.value.upper()}, {plan.backend}, "
+            f"{plan.threads} thread(s) each): global samples/s = {plan.nproc} × batch / the "
+            f"slowest rank's median step; scaling efficiency (global / ({plan.nproc} × one "
+            f"process with the same threads, measured in this run)): {effs or 'n/a'}.")
+
+
+# --- a rank ----------------------------------------------------------------------------------
+def _rank_main(job_path: str) -> int:
+    with open(job_path) as src:
+        job = json.load(src)
+    rank = int(os.environ["RANK"])
+    try:
+        results = _run_rank(job, rank)
+    except BaseException as err:
+        _write_error(job["folder"], rank, err)
+        raise
+    if rank == 0:
+        tmp = os.path.join(job["folder"], _RESULTS + ".tmp")
+        with open(tmp, "w") as out:
+            json.dump(results, out)
+        os.replace(tmp, os.path.join(job["folder"], _RESULTS))  # never half-written
+    return 0
+
+
+def _write_error(folder: str, rank: int, err: BaseException) -> None:
+    message = " ".join(str(err).split())
+    text = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    with open(os.path.join(folder, _ERROR.format(rank)), "w") as out:
+        json.dump({"rank": rank, "error": text, "time": time.time()}, out)
+
+
+def _run_rank(job: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    settings = BenchSettings(**job["settings"])
+    torch.set_num_threads(job["threads"])
+    if torch.device(settings.device).type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        settings = dataclasses.replace(settings, device=f"cuda:{local}")
+    dist.init_process_group(job["backend"], timeout=_PG_TIMEOUT)
+    try:
+        device_type = torch.device(settings.device).type
+        specs = [parse_policy(label, device_type) for label in job["policies"]]
+        setup = _ddp_setup if job["parallel"] == Parallel.DDP.value else _fsdp_setup
+        return [_run_one(spec, settings, setup, rank) for spec in specs]
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_one(spec: PolicySpec, settings: BenchSettings, setup: Any, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    # The ranks first, each fresh for the first policy: their peak memory is comparable.
+    mine = run_policy(spec, settings, parallel=setup)
+    baseline = run_policy(spec, settings) if rank == 0 else None  # the others wait here
+    dist.barrier()
+    numbers = {"rank": rank, "step_ms": mine["step_ms"], "samples_per_s": mine["samples_per_s"],
+               "peak_mem_mib": mine["peak_mem_mib"]}
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, numbers)
+    return _merge(mine, baseline, per_rank) if baseline is not None else mine
+
+
+def _merge(mine: dict[str, Any], baseline: dict[str, Any],
+           per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's result with the global throughput, the scaling and the per-rank numbers."""
+    nproc = len(per_rank)
+    slowest = max(p["step_ms"] for p in per_rank)
+    batch = mine["samples_per_s"] * mine["step_ms"] / 1e3 if mine["samples_per_s"] else None
+    global_sps = nproc * batch / slowest * 1e3 if batch and slowest > 0 else None
+    one = baseline["samples_per_s"]
+    return dict(mine, step_ms=slowest, samples_per_s=global_sps,
+                peak_mem_mib=max(p["peak_mem_mib"] for p in per_rank),
+                memory_method=mine["memory_method"] + ", per rank (the largest shown)",
+                per_rank=per_rank, samples_per_s_1proc=one, step_ms_1proc=baseline["step_ms"],
+                peak_mem_mib_1proc=baseline["peak_mem_mib"],
+                scaling_efficiency=global_sps / (nproc * one) if global_sps and one else None,
+                loss_dev_vs_1proc=max_loss_deviation(mine["losses"], baseline["losses"]))
+
+
+def _ddp_setup(precision: Precision, model: nn.Module,
+               make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # The policy first (initialize refuses a DDP-wrapped model; under O2 DDP must see the
+    # half parameters), then the wrap; DDP broadcasts rank 0's weights to the others.
+    model, optimizer = precision.setup(model, make_optimizer)
+    cuda = precision.device.type == "cuda"
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[precision.device] if cuda else None)
+    return ddp, optimizer
+
+
+def _fsdp_setup(precision: Precision, model: nn.Module,
+                make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # shard replaces initialize: FSDP2 casts at its groups' boundaries, the fp32 shards are
+    # the masters. A model without a ModuleList of blocks is one group at the root.
+    from ..distributed import shard
+
+    model = model.to(precision.device)
+    has_blocks = any(isinstance(m, nn.ModuleList) and len(m) for m in model.modules())
+    shard(model, precision.spec.policy, modules=None if has_blocks else [])
+    return model, make_optimizer(model.parameters())  # the optimizer over the shards
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1]))

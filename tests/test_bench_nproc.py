@@ -1,0 +1,142 @@
+"""``ampkit bench --nproc N``: the command under torchrun, its JSON, a dead rank, bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampkit._torch_compat import TORCH_VERSION
+from ampkit.bench.parallel import usable_cores
+from ampkit.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = ["--steps", "2", "--warmup", "1", "--quiet"]
+needs_two_cores = pytest.mark.skipif(usable_cores() < 2, reason="--nproc 2 needs 2 CPU cores")
+
+# Rank 1 fails while building its model; the parent (no RANK) and rank 0 build it fine.
+_DYING_MODEL = """\
+    import os
+    import signal
+
+    import torch
+
+
+    def make(batch_size=None):
+        if os.environ.get("RANK") == "1":
+            if os.environ.get("DIE_BY_SIGNAL"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("rank one is out of luck")
+        n = batch_size or 8
+        return torch.nn.Linear(4, 2), (torch.randn(n, 4), torch.randn(n, 2))
+"""
+
+
+def run_ampkit(*args: str, cwd: Path, env: dict[str, str] | None = None,
+               timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m ampkit.cli ARGS`` in its own session: a timeout kills torchrun's ranks too."""
+    env = dict(os.environ, **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])
+    child = subprocess.Popen([sys.executable, "-m", "ampkit.cli", *args], cwd=cwd, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        pytest.fail(f"ampkit {' '.join(args)} did not finish within {timeout:.0f} s")
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+@needs_two_cores
+def test_two_ranks_report_global_throughput_and_scaling(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = run_ampkit("bench", "--model", "mlp", "--policies", "32-true", "--nproc", "2",
+                      "--json", str(path), *TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["nproc"] == 2 and doc["parallel"] == "ddp" and doc["backend"] == "gloo"
+    (result,) = doc["results"]
+    assert result["samples_per_s"] > 0 and result["samples_per_s_1proc"] > 0
+    assert result["scaling_efficiency"] == pytest.approx(
+        result["samples_per_s"] / (2 * result["samples_per_s_1proc"]))
+    assert [r["rank"] for r in result["per_rank"]] == [0, 1]
+    assert all(r["peak_mem_mib"] >= 0 and r["samples_per_s"] > 0 for r in result["per_rank"])
+    # Every rank trains on the same batches, so DDP's averaged gradient is the one-process
+    # gradient and the loss curves agree.
+    assert result["loss_dev_vs_1proc"] == pytest.approx(0, abs=1e-6)
+    assert "scaling efficiency" in proc.stdout and "2 ranks (DDP, gloo" in proc.stdout
+
+
+@needs_two_cores
+def test_a_rank_that_fails_is_named_on_one_line(tmp_path):
+    (tmp_path / "dying.py").write_text(textwrap.dedent(_DYING_MODEL))
+    proc = run_ampkit("bench", "--model", "dying:make", "--policies", "32-true", "--nproc", "2",
+                      *TINY, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "rank 1 failed" in lines[0] and "rank one is out of luck" in lines[0]
+
+
+@pytest.mark.slow
+@needs_two_cores
+def test_a_rank_killed_by_a_signal_is_named(tmp_path):
+    (tmp_path / "dying.py").write_text(textwrap.dedent(_DYING_MODEL))
+    proc = run_ampkit("bench", "--model", "dying:make", "--policies", "32-true", "--nproc", "2",
+                      *TINY, cwd=tmp_path, env={"DIE_BY_SIGNAL": "1"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 1 died: killed by SIGKILL" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+@needs_two_cores
+@pytest.mark.skipif(TORCH_VERSION < (2, 6) and not torch.cuda.is_available(),
+                    reason="FSDP2 on the CPU needs torch 2.6 or later")
+def test_fsdp_ranks_shard_the_gpt(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = run_ampkit("bench", "--model", "gpt", "--batch-size", "4", "--policies",
+                      "32-true,bf16-mixed,O2", "--nproc", "2", "--parallel", "fsdp",
+                      "--json", str(path), *TINY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["nproc"] == 2 and doc["parallel"] == "fsdp"
+    assert [r["policy"] for r in doc["results"]] == ["32-true", "bf16-mixed", "O2"]
+    for result in doc["results"]:
+        assert result["samples_per_s"] > 0 and result["scaling_efficiency"] > 0
+        assert result["final_loss"] is not None
+
+
+def _usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    assert main(["bench", "--model", "mlp", "--quiet", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nproc", "0"], ["--nproc 0", "valid: 1 to"]),
+    (["--nproc", "-3"], ["--nproc -3", "valid: 1 to"]),
+    (["--nproc", str(usable_cores() + 1)], [f"--nproc {usable_cores() + 1}", "CPU cores"]),
+    (["--nproc", "1", "--parallel", "fsdp", "--policies", "32-true,fp8"],
+     ["'fp8'", "--parallel fsdp", "valid: --parallel ddp"]),
+    (["--parallel", "ddp"], ["--parallel ddp needs --nproc"]),
+    (["--nproc", "1", "--parallel", "zero"], ["'zero'", "ddp", "fsdp"]),
+    (["--nproc", "two"], ["'two'", "int"]),
+])
+def test_bad_values_exit_2_before_launching(capsys, monkeypatch, argv, words):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched torchrun for a bad value")
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    line = _usage_error(capsys, *argv)
+    for word in words:
+        assert word in line, (word, line)
