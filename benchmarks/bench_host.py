@@ -6,6 +6,8 @@ of ~5 us on a GPU) and host syncs. Measured per path, in one run:
 - *kernel ops / step*: ATen ops that compute or copy (views, aliases and bare
   allocations excluded), counted with a TorchDispatchMode over one step;
 - *syncs / step*: reads of a tensor value by the host (``aten._local_scalar_dense``);
+- *Python calls / step*: function and builtin calls seen by ``sys.setprofile`` over one
+  step: the host's Python work, counted exactly (a busy machine cannot blur it);
 - *host us / step*: median CPU time of this thread per step over interleaved rounds
   (torch.amp and each ampkit path take turns, so drift hits all alike; thread time, not
   wall time, so waiting for a busy machine's cores is not counted), 1 thread, tiny
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import weakref
 from typing import Any, Callable
@@ -56,7 +59,16 @@ def linears() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range(200)]), torch.randn(64, 64)
 
 
-MODELS = {"mlp": mlp, "200xlinear": linears}
+def gpt() -> tuple[nn.Module, torch.Tensor]:
+    """ampkit bench's small GPT (d=128, 2 layers, seq 64, LayerNorm, SDPA), batch 16:
+    activations weigh as much as the weights, as in real training."""
+    from ampkit.bench.workloads import GPT, GPTConfig
+
+    cfg = GPTConfig()
+    return GPT(cfg), torch.randint(0, cfg.vocab, (16, cfg.seq))
+
+
+MODELS = {"mlp": mlp, "200xlinear": linears, "gpt": gpt}
 
 
 # --- the paths ------------------------------------------------------------------------------
@@ -132,6 +144,23 @@ def count_ops(step: Step) -> _Counter:
     return counter
 
 
+def count_python_calls(step: Step) -> int:
+    """Python-level calls (functions and builtins) in one step: exact, noise-free host work."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 class _LiveBytes(TorchDispatchMode):
     """Tracks the bytes of live tensor storages created inside it, and their peak."""
 
@@ -199,6 +228,7 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
     for name, build in PATHS.items():
         counter = count_ops(steps_of[name])
         results[name] = {"kernel_ops": counter.kernels, "syncs": counter.syncs,
+                         "python_calls": count_python_calls(steps_of[name]),
                          "host_us": statistics.median(times[name]),
                          "peak_bytes_per_param": peak_bytes_per_param(build, model_fn, kind),
                          "ops": dict(sorted(counter.names.items()))}
@@ -223,14 +253,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} thread, bf16, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     print(f"{'model':11} {'optim':7} {'path':19} {'ops':>5} {'Δops':>5} {'syncs':>5} "
-          f"{'host us':>8} {'× torch':>7} {'B/param':>7}")
+          f"{'py calls':>8} {'host us':>8} {'× torch':>7} {'B/param':>7}")
     for model_name in args.models.split(","):
         for kind in args.optimizers.split(","):
             results = measure(model_name, kind, args.rounds, args.steps)
             report["results"][f"{model_name}/{kind}"] = results
             for name, r in results.items():
                 print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
-                      f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['host_us']:8.1f} "
+                      f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['python_calls']:8d} {r['host_us']:8.1f} "
                       f"{r['time_vs_torch']:7.3f} {r['peak_bytes_per_param']:7.1f}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
