@@ -180,7 +180,8 @@ def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Option
 
 def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
     """Several overflow flags as one (any overflow counts)."""
-    flag = flag.detach().reshape(())
+    if flag.dim():
+        flag = flag.reshape(())
     return flag if held is None else torch.maximum(held, flag.to(held.device))
 
 
@@ -201,7 +202,6 @@ def _stash(optimizer: torch.optim.Optimizer) -> AmpStash:
 def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
             optimizers: list[torch.optim.Optimizer], loss_id: int) -> None:
     scaler.update_from(found_inf)
-    names = ", ".join(type(opt).__name__ for opt in optimizers)
     if all(getattr(opt, STEP_SUPPORTS_AMP_SCALING, False) for opt in optimizers):
         # Fused optimizers skip on the device: no host sync here, whatever the log level.
         # A listening logger gets the overflow later, from a copy already on the host.
@@ -209,7 +209,7 @@ def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
             stash = _stash(optimizer)
             stash.found_inf = _or_flag(stash.found_inf, found_inf)
         if logger.isEnabledFor(amp.log_level):
-            amp.overflow_notes.append(_OverflowNote.start(found_inf, names, loss_id))
+            amp.overflow_notes.append(_OverflowNote.start(found_inf, _names(optimizers), loss_id))
         return
     # The one host sync of scale_loss with plain optimizers (apex had it too): Python
     # must know now whether the next optimizer.step() runs. A listening logger's copy of
@@ -226,7 +226,11 @@ def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
     if new_scale is not None:
         new_scale._ampkit_host_copy = True  # type: ignore[attr-defined]
         logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
-                   "scaler %d now at %g", names, loss_id, new_scale.item())
+                   "scaler %d now at %g", _names(optimizers), loss_id, new_scale.item())
+
+
+def _names(optimizers: list[torch.optim.Optimizer]) -> str:
+    return ", ".join(type(opt).__name__ for opt in optimizers)
 
 
 @dataclass(eq=False)
