@@ -170,8 +170,11 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
             table.add_column(head, justify="left" if i in left else "right")
         for row in rows:
             table.add_row(*row)
-        # A terminal's own width; files and pipes get a width that fits the bench table.
-        width = None if out.isatty() else max(130, len(title))
+        # A terminal's own width; files and pipes get one that fits the table unwrapped
+        # (each column's widest cell plus rich's 3 characters of border and padding).
+        natural = 1 + sum(3 + max([len(h)] + [len(r[i]) for r in rows])
+                          for i, h in enumerate(headers))
+        width = None if out.isatty() else max(130, len(title), natural)
         Console(file=out, width=width).print(table)
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
