@@ -1,7 +1,8 @@
 """``ampkit train``: train a classifier under any policy, with checkpoints that resume exactly.
 
 The step is the benchmark's ``train_step`` under the same ``Precision``, so what
-``ampkit bench`` measures is what ``ampkit train`` runs. Exact resumption: the initial
+``ampkit bench`` measures is what ``ampkit train`` runs; ``bench.stepcheck`` watches it
+(a warning naming the module of a non-finite step, the loss-scale timeline). Exact resumption: the initial
 weights come from the seed, each epoch's shuffle from (seed, epoch) alone, and a
 checkpoint holds the model (fp32, the masters under O2), the optimizer, the GradScaler
 and the amp state, written at the end of every epoch with the sha256 digest of its
@@ -17,6 +18,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -26,7 +28,8 @@ from torch import nn
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import DATASETS, Dataset, load_data
 from .runner import (PolicySpec, Precision, adam_eps, adamw_factory, parse_policy,
-                     loss_scaling_label, train_step)
+                     loss_scaling_label)
+from .stepcheck import StepCheck, Warn
 from .errors import UsageError
 from .workloads import (call_user_function, classification_loss, make_cnn,
                         make_mlp, make_resnet18)
@@ -115,6 +118,8 @@ class Trainer:
     Args:
         settings: the run's settings.
         data: the dataset (moved to the device once).
+        warn: called with a sentence naming the module when a step goes non-finite (at
+            most once per epoch; see ``bench.stepcheck``); default ``warnings.warn``.
 
     Example:
         >>> trainer = Trainer(TrainSettings(data="synthetic", epochs=1), load_data("synthetic"))
@@ -122,7 +127,7 @@ class Trainer:
         True
     """
 
-    def __init__(self, settings: TrainSettings, data: Dataset) -> None:
+    def __init__(self, settings: TrainSettings, data: Dataset, warn: Optional[Warn] = None) -> None:
         self.settings = settings
         device = torch.device(settings.device)
         self.spec: PolicySpec = parse_policy(settings.policy, device.type)
@@ -133,6 +138,9 @@ class Trainer:
         self.data = Dataset(data.name, *(t.to(device) for t in (data.train_x, data.train_y,
                             data.test_x, data.test_y)), num_classes=data.num_classes)
         self.history: list[dict[str, Any]] = []
+        self.check = StepCheck(self.model, self.optimizer, self.precision, classification_loss,
+                               settings.policy, warn or _warn)
+        self.epoch_steps: dict[str, Any] = {}  # the last epoch's StepCheck.end_epoch()
 
     def train_epoch(self, epoch: int, on_batch: Optional[Callable[[int, int], None]] = None) -> float:
         """One pass over the training set in the (seed, epoch) order; the mean loss."""
@@ -144,13 +152,14 @@ class Trainer:
         # Summed on the device; one host sync per epoch, not per step.
         total = torch.zeros((), device=x.device)
         batches = math.ceil(len(y) / size)
+        self.check.begin_epoch(epoch, first_step=(epoch - 1) * batches + 1)
         for b in range(batches):
             idx = order[b * size:(b + 1) * size]
-            loss = train_step(self.model, x[idx], y[idx], classification_loss, self.optimizer,
-                              self.precision)
+            loss = self.check.step(x[idx], y[idx])  # train_step, watched (bench.stepcheck)
             total += loss.float() * len(idx)
             if on_batch is not None:
                 on_batch(b + 1, batches)
+        self.epoch_steps = self.check.end_epoch()
         return float(total.item()) / len(y)
 
     @torch.no_grad()
@@ -336,23 +345,26 @@ def _read(source: Union[str, io.BytesIO], path: str) -> Any:
 
 
 def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
-          on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None
-          ) -> dict[str, Any]:
+          on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None,
+          on_warning: Optional[Warn] = None) -> dict[str, Any]:
     """Train for ``settings.epochs`` epochs (continuing a checkpoint when ``resume``).
 
     Args:
         settings: the run. checkpoint: written after every epoch when given.
         resume: continue from ``checkpoint``. on_epoch: called with each epoch's record.
         on_batch: called with a task label, returns a per-batch progress callback.
+        on_warning: called with a sentence naming the module when a step goes non-finite
+            (the first such step of an epoch); default ``warnings.warn``.
 
     Returns:
-        The log: settings, resolved policy, one record per epoch and the final one.
+        The log: settings, resolved policy, one record per epoch, the final one, and the
+        ``loss_scale_timeline`` of the whole run (see :func:`loss_scale_timeline`).
     """
     if resume and not checkpoint:
         raise UsageError("--resume needs --checkpoint PATH (the checkpoint to continue)")
     state = load_checkpoint(checkpoint) if resume and checkpoint else None
     data = load_data(settings.data, settings.data_dir)
-    trainer = Trainer(settings, data)
+    trainer = Trainer(settings, data, warn=on_warning)
     if state is not None:
         _resume(trainer, state, str(checkpoint))
     start = len(trainer.history)
@@ -367,7 +379,25 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
             "adam_eps": adam_eps(trainer.spec.policy),
             "loss_scaling": loss_scaling_label(trainer.spec.policy),
             "data": data.describe(), "resumed_from_epoch": start if state is not None else None,
-            "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None}
+            "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None,
+            "loss_scale_timeline": loss_scale_timeline(trainer.history)}
+
+
+def loss_scale_timeline(history: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The loss scale over a run, from its epoch records (a checkpoint's ``history``).
+
+    Returns None without loss scaling, else {"changes": [[step, scale after it], ...]
+    (starting with [0, initial scale]), "skipped_steps": [step, ...]}; steps are global
+    and count from 1. Epochs logged before ampkit recorded it add nothing.
+    """
+    if not history or all(record.get("loss_scale") is None for record in history):
+        return None
+    return {"changes": [change for record in history for change in record.get("scale_changes") or []],
+            "skipped_steps": [step for record in history for step in record.get("skipped_at") or []]}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _resume(trainer: Trainer, state: dict[str, Any], path: str) -> None:
@@ -387,4 +417,5 @@ def _run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory])
     return {"epoch": epoch, "train_loss": train_loss, "test_loss": test_loss,
             "test_acc": test_acc, "time_s": time.perf_counter() - started,
             "loss_scale": None if stats is None else stats.scale,
-            "skipped_steps": None if stats is None else stats.skipped_steps}
+            "skipped_steps": None if stats is None else stats.skipped_steps,
+            **trainer.epoch_steps}

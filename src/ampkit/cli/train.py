@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     with report.Progress(enabled=show, keep_done=False) as progress:
         log = train(settings, checkpoint=args.checkpoint, resume=args.resume,
                     on_epoch=lambda record: print(_epoch_line(record, settings.epochs), file=out),
-                    on_batch=progress.task)
+                    on_batch=progress.task,
+                    on_warning=lambda message: print(f"ampkit train: warning: {message}",
+                                                     file=sys.stderr))
     _print_train_summary(log, out)
     if args.json:
         report.write_json(dict({"command": "train", "environment": report.environment(device)},
