@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ampkit  # noqa: E402
-from ampkit._torch_compat import TorchDispatchMode  # noqa: E402
+from ampkit._torch_compat import EagerDispatchMode  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,16 +70,12 @@ NOT_KERNELS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default,
                torch.ops.aten.expand.default, torch.ops.aten._local_scalar_dense.default}
 
 
-class SyncCounter(TorchDispatchMode):
+class SyncCounter(EagerDispatchMode):
     """Counts the ATen ops of a step and, among them, host reads of device values."""
 
     def __init__(self) -> None:
         super().__init__()
         self.syncs = self.ops = 0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # eager only: no torch._dynamo import
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         self.syncs += func is torch.ops.aten._local_scalar_dense.default

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from ampkit._torch_compat import dynamo_reset  # noqa: E402
 from ampkit.fp8 import Float8Config, convert_to_fp8  # noqa: E402
 from ampkit.fp8.linear import fp8_mm  # noqa: E402
 from ampkit.fp8.scaling import E4M3, quantize  # noqa: E402
@@ -99,7 +100,7 @@ class Timer:
 
 def free_memory() -> None:
     gc.collect()
-    torch._dynamo.reset()
+    dynamo_reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from ampkit._torch_compat import foreach_copy_
 from ampkit.scaler import GradScaler
 
 VARIANTS = ("plain", "torch", "ampkit")
@@ -162,7 +163,7 @@ def _measure_optimizer(make: Callable, device: str, n: int, numel: int, warmup: 
     grads = [p.grad for p in params]
 
     def reset() -> None:  # fresh scaled gradients before every step (unscale_ works in place)
-        torch._foreach_copy_(grads, source)
+        foreach_copy_(grads, source)
     steps = {v: _stepper(v, make(params), device) for v in VARIANTS}
     for _ in range(warmup):
         for step in steps.values():
