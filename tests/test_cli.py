@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import ampkit
-from ampkit.bench import report
+from ampkit.bench import report, verdict
 from ampkit.bench.errors import UsageError
-from ampkit.bench.runner import (BenchSettings, adam_eps, parse_policy,
-                                 parse_policy_list, run_policy,
-                                 loss_scaling_label)
+from ampkit.bench.policies import loss_scaling_label, parse_policy, parse_policy_list
+from ampkit.bench.precision import adam_eps
+from ampkit.bench.runner import BenchSettings, run_policy
 from ampkit.bench.train import TrainSettings, train
 from ampkit._dtypes import recommend_policy
 from ampkit.cli import main
@@ -30,7 +30,8 @@ SRC = str(Path(ampkit.__file__).resolve().parent.parent)
 HAS_SKLEARN = __import__("importlib").util.find_spec("sklearn") is not None
 HAS_MATPLOTLIB = __import__("importlib").util.find_spec("matplotlib") is not None
 needs_sklearn = pytest.mark.skipif(not HAS_SKLEARN, reason="digits need scikit-learn (cli extra)")
-TINY = ["--model", "mlp", "--steps", "3", "--warmup", "1", "--batch-size", "8", "--quiet"]
+TINY = ["--model", "mlp", "--steps", "3", "--warmup", "1", "--batch-size", "8", "--max-time", "0",
+        "--quiet"]
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -107,7 +108,7 @@ def test_bench_default_isolates_policies_and_writes_json_to_stdout():
     assert doc["settings"]["process_per_policy"] is True
     assert "ampkit bench" in proc.stderr
     assert all(r["peak_mem_mib"] > 0 for r in doc["results"])
-    assert doc["results"][0]["memory_method"].endswith("in a fresh process per policy")
+    assert doc["results"][0]["memory_method"].endswith("in a process of its own per policy")
     # The child process trained exactly what this process trains with the same settings.
     here = run_policy(parse_policy("bf16-mixed", "cpu"),
                       BenchSettings(model="mlp", steps=3, warmup=1, batch_size=8))
@@ -135,7 +136,7 @@ def test_tables_fall_back_to_plain_text_without_rich(capsys, monkeypatch):
     assert main(["bench", *TINY, "--policies", "32-true,bf16-mixed", "--isolate", "never"]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(line for line in out if line.startswith("policy"))
-    assert "step ms" in header and "max |Δloss|" in header
+    assert "ms/step" in header and "speedup (95% CI)" in header and "Δloss" in header
     assert any(line.startswith("bf16-mixed ") for line in out)
 
 
@@ -173,10 +174,12 @@ def test_user_workload_without_a_batch_size_parameter(capsys, tmp_path, monkeypa
 
 def _document(native_bf16: bool, speedup: float) -> dict:
     row = {"policy": "32-true", "half_dtype": None, "speedup": 1.0, "mem_ratio": 1.0,
-           "max_loss_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0, "losses": [1.0],
-           "memory_method": "process peak RSS"}
+           "max_loss_dev": 0.0, "max_loss_rel_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0,
+           "losses": [1.0],
+           "memory_method": "process peak RSS", "speedup_ci": [1.0, 1.0]}
     half = dict(row, policy="bf16-mixed", half_dtype="bfloat16", speedup=speedup,
-                max_loss_dev=0.001)
+                max_loss_dev=0.001, max_loss_rel_dev=0.001,
+                speedup_ci=[speedup * 0.9, speedup * 1.05])
     env = {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
            "native": {"bf16": native_bf16, "fp16": False, "fp8": False}}
     return {"environment": env, "results": [row, half], "workload": "w",
@@ -184,13 +187,17 @@ def _document(native_bf16: bool, speedup: float) -> dict:
 
 
 def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
-    no_hardware = " ".join(report.bench_verdict(_document(False, 0.3)))
-    assert "bf16-mixed: 0.30× the speed of 32-true (slower)" in no_hardware
+    no_hardware = " ".join(verdict.bench_verdict(_document(False, 0.3)))
+    assert "bf16-mixed: 0.30× the speed of 32-true (95% interval 0.27–0.32: slower)" in no_hardware
     assert "no half-precision arithmetic" in no_hardware
-    with_hardware = " ".join(report.bench_verdict(_document(True, 0.5)))
+    with_hardware = " ".join(verdict.bench_verdict(_document(True, 0.5)))
     assert "although it has native half-precision instructions" in with_hardware
-    faster = " ".join(report.bench_verdict(_document(True, 1.5)))
-    assert "1.50× the speed of 32-true (faster)" in faster and "ran slower" not in faster
+    faster = " ".join(verdict.bench_verdict(_document(True, 1.5)))
+    assert "1.50× the speed of 32-true (95% interval 1.35–1.58: faster)" in faster
+    assert "ran slower" not in faster
+    # An interval that includes 1 is no measured slowdown: no explanation of one.
+    even = " ".join(verdict.bench_verdict(_document(True, 0.97)))
+    assert "no measurable difference" in even and "ran slower" not in even
 
 
 # --- bad values: exit 2, one line naming the value and the valid ones ----------------------

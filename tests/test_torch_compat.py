@@ -10,6 +10,7 @@ import inspect
 import io
 import platform
 import re
+import sys
 import tokenize
 import warnings
 from pathlib import Path
@@ -131,6 +132,11 @@ def _is_compiling() -> None:
     tc.dynamo_reset()
     torch.compile(f, backend="eager")(torch.ones(1))
     _check("is_compiling", seen == [True], f"saw {seen} while dynamo traced, not [True]")
+
+
+def _import_dynamo() -> None:
+    tc.import_dynamo()
+    _check("import_dynamo", "torch._dynamo" in sys.modules, "torch._dynamo not imported")
 
 
 def _dispatch_mode() -> None:
@@ -364,7 +370,8 @@ CHECKS: dict[str, Callable[[], None]] = {
     "clear_autocast_cache": _autocast_switches,
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
-    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "TorchDispatchMode": _dispatch_mode,
+    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "import_dynamo": _import_dynamo,
+    "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,

@@ -177,16 +177,66 @@ def fp8_supported(device: Optional[str] = None) -> bool:
     return dev.type == "cuda" and capability(str(dev)).fp8  # _scaled_mm: every supported torch
 
 
-def recommend_policy(device: Optional[str] = None) -> tuple[str, str]:
-    """The policy ampkit recommends on a device and the reason, e.g. ("bf16-mixed", "...")."""
+# --- the policy for this device: one table, read by `ampkit info`/`train` (recommend_policy),
+# `ampkit bench` (its default policies) and autotune (its candidates) -------------------------
+# Per half dtype: its mixed policy, its O2, and why the mixed one is recommended where the
+# device runs that dtype natively (bf16 first: fp32's exponent range, so no loss scaling).
+_HALF_POLICIES = {"bf16": ("bf16-mixed", "O2-bf16"), "fp16": ("16-mixed", "O2-fp16")}
+_REASONS = {
+    ("cuda", "bf16"): "bf16 tensor cores and fp32's exponent range: no loss scaling needed",
+    ("cuda", "fp16"): "fp16 tensor cores but no bf16: autocast fp16 with dynamic loss scaling",
+    ("cpu", "bf16"): ("this CPU has bf16 instructions (AVX512-BF16/AMX): large bf16 matmuls run "
+                      "faster than fp32, small models may not gain (`ampkit bench` measures it)"),
+}
+_NO_HALF = ("no native bf16/fp16 arithmetic on this device: half-precision matmuls run many "
+            "times slower than fp32 here")
+
+
+@dataclass(frozen=True)
+class DevicePolicies:
+    """What a device runs: the policy to use, autotune's candidates, bench's comparison.
+
+    Attributes:
+        device: the device they are for ("cpu", "cuda:0").
+        recommended: the policy to use without measuring, and ``reason``, why.
+        candidates: the policies the device runs natively, fp32 first (autotune's default
+            candidates, ``ampkit bench --policies auto``).
+        bench: what ``ampkit bench`` compares by default: fp32, the device's half dtypes
+            (on a CPU its autocast dtype even without hardware, to show what it costs), O2
+            in the autocast dtype, and fp8 where there are fp8 tensor cores.
+
+    Example:
+        >>> device_policies("cpu").candidates[0]
+        '32-true'
+    """
+
+    device: str
+    recommended: str
+    reason: str
+    candidates: tuple[str, ...]
+    bench: tuple[str, ...]
+
+
+def device_policies(device: Optional[str] = None) -> DevicePolicies:
+    """The one table of which policies a device runs, recommends and compares."""
     cap = capability(device)
     kind = torch.device(cap.device).type
-    if kind == "cuda" and cap.bf16:
-        return "bf16-mixed", "bf16 tensor cores and fp32's exponent range: no loss scaling needed"
-    if kind == "cuda" and cap.fp16:
-        return "16-mixed", "fp16 tensor cores but no bf16: autocast fp16 with dynamic loss scaling"
-    if kind == "cpu" and cap.bf16:
-        return "bf16-mixed", ("this CPU has bf16 instructions (AVX512-BF16/AMX): large bf16 matmuls "
-                              "run faster than fp32, small models may not gain (`ampkit bench` measures it)")
-    return "32-true", ("no native bf16/fp16 arithmetic on this device: half-precision matmuls "
-                       "run many times slower than fp32 here")
+    # The half dtypes that pay off here, preferred first: those with a reason in the table
+    # (fp16 on a CPU is not: its AVX512-FP16 is not what torch's CPU kernels use).
+    native = [name for name, ok in (("bf16", cap.bf16), ("fp16", cap.fp16))
+              if ok and (kind, name) in _REASONS]
+    recommended = _HALF_POLICIES[native[0]][0] if native else "32-true"
+    reason = _REASONS[(kind, native[0])] if native else _NO_HALF
+    candidates = ("32-true",) + tuple(p for name in native for p in _HALF_POLICIES[name])
+    if kind == "cuda":
+        shown = ["16-mixed"] + (["bf16-mixed"] if cap.bf16 else []) + ["O2"]
+        shown += ["fp8"] if fp8_supported(cap.device) else []
+    else:
+        shown = ["bf16-mixed", "O2"]  # O2 in the CPU's autocast dtype, bf16
+    return DevicePolicies(cap.device, recommended, reason, candidates, ("32-true", *shown))
+
+
+def recommend_policy(device: Optional[str] = None) -> tuple[str, str]:
+    """The policy ampkit recommends on a device and the reason, e.g. ("bf16-mixed", "...")."""
+    table = device_policies(device)
+    return table.recommended, table.reason

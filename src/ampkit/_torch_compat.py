@@ -45,7 +45,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "dynamo_reset", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "dynamo_reset", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "sparse_values", "OptState",
@@ -168,6 +168,13 @@ def dynamo_reset() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` now rather than in the first optimizer's constructor, which
+    imports it (seconds) through torch's disable-dynamo decorator: bench workers forked
+    after this share the import."""
+    importlib.import_module("torch._dynamo")
 # Base class of the op counters in tests and benchmarks/bench_host.py; since 2.0.
 TorchDispatchMode = _entry("torch.utils._python_dispatch.TorchDispatchMode")
 

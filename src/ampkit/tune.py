@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ._dtypes import capability, default_device_type
+from ._dtypes import default_device_type, device_policies
 from ._loss import default_loss
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
@@ -64,13 +64,7 @@ class TuneResult:
 
 def native_candidates(device: Optional[str] = None) -> list[str]:
     """The policies a device runs natively, fp32 first (autotune's default candidates)."""
-    cap = capability(device)
-    names = [_REFERENCE]
-    if cap.bf16:
-        names += ["bf16-mixed", "O2-bf16"]
-    if torch.device(cap.device).type == "cuda" and cap.fp16:
-        names += ["16-mixed", "O2-fp16"]
-    return names
+    return list(device_policies(device).candidates)
 
 
 def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, float]:

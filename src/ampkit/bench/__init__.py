@@ -1,5 +1,10 @@
 """What ``ampkit bench`` and ``ampkit train`` run: workloads, the runner, data, reports.
 
+Modules: ``policies`` (names -> PolicySpec), ``precision`` (a policy applied to one
+training loop, the step), ``measure`` (the timing and memory harness, its statistics,
+the machine's state), ``runner`` (the policies in rounds, compared, recommended),
+``worker`` (a policy in a process of its own), ``report`` (tables, words, plots).
+
 Example:
     >>> from ampkit.bench import BenchSettings, parse_policy, run_policy
     >>> result = run_policy(parse_policy("bf16-mixed", "cpu"), BenchSettings(model="mlp", steps=2))
@@ -10,15 +15,16 @@ Example:
 from __future__ import annotations
 
 from .errors import UsageError
-from .runner import (BenchSettings, PolicySpec, Precision, parse_policy, parse_policy_list,
-                     run_bench, run_policy, train_step)
+from .policies import PolicySpec, parse_policy, parse_policy_list
+from .precision import Precision, train_step
+from .runner import BenchSettings, recommend, run_bench, run_policy
 from .train import TrainSettings, train
 from .workloads import Workload, get_workload
 
 __all__ = [
     "UsageError",
     "BenchSettings", "PolicySpec", "Precision", "parse_policy",
-    "parse_policy_list", "run_bench", "run_policy", "train_step",
+    "parse_policy_list", "recommend", "run_bench", "run_policy", "train_step",
     "TrainSettings", "train",
     "Workload", "get_workload",
 ]

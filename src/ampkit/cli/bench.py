@@ -9,15 +9,17 @@ from typing import Any
 
 import torch
 
-from .._dtypes import capability, fp8_supported
+from .._dtypes import device_policies
 from ._common import add_common, check_device, check_output_paths
 
 _BENCH_HELP = """\
 Train one model for a few steps under each precision policy, from the same initial
-weights on the same data, and compare: median step time and its spread (IQR),
-samples/s, speedup over the first policy, peak memory (CUDA allocator on a GPU; peak
-RSS of a fresh process per policy on a CPU) and its ratio, final loss, and the largest
-deviation of the loss curve from the first policy's.
+weights on the same data, the policies taking turns in rounds (so drift and load hit
+them alike), and compare: median step time, speedup over the first policy with its 95%
+interval, peak memory (CUDA allocator on a GPU; peak RSS of a process of its own per
+policy on a CPU) and its ratio, and the largest relative deviation of the loss curve
+from the first policy's. Ends with the policy to use here: the fastest whose loss stays
+within --max-loss-dev of fp32's and that is not slower than fp32 (autotune's rule).
 
 Built-in models: mlp (10-100-10), cnn (small ResNet-style, batch-norm, 32x32), resnet18
 (torchvision, when installed), gpt (decoder-only transformer: d=128, 2 layers on a CPU;
@@ -27,14 +29,17 @@ d=1024, 12 layers, seq 1024 on CUDA), or package.module:function returning
 Policies: 32-true/fp32, 16-mixed, bf16-mixed, 16-true, bf16-true, O0-O3 (half dtype:
 the device's autocast default, or a suffix: O2-bf16, O1-fp16), fp8 (fp8-tensorwise,
 fp8-delayed, fp8-rowwise: Linear layers in fp8 under bf16 autocast), or explicit
-"p=f32,c=bf16,o=f32". Default: 32-true,bf16-mixed,O2 on a CPU; 32-true,16-mixed,
-bf16-mixed,O2 (+fp8 where supported) on CUDA.
+"p=f32,c=bf16,o=f32", or auto (the policies the device runs natively, as autotune's
+candidates). Default: 32-true,bf16-mixed,O2 on a CPU; 32-true,16-mixed,bf16-mixed,O2
+(+fp8 where supported) on CUDA.
 
-Reading the table: step ms is the median over the timed steps (IQR ms its spread);
-speedup and mem × are relative to the first policy (above 1×: faster; below 1: less
-memory); max |Δloss| is the largest difference of the per-step training loss from the
-first policy's (warm-up steps included). The lines under the table say the same in
-words, including when half precision is slower on this device and why."""
+Reading the table: ms/step is the median over the timed steps; speedup is the median
+over rounds of the first policy's time / this one's, in brackets its 95% interval (an
+interval that includes 1.00 means no measurable difference); mem × is relative to the
+first policy (below 1: less memory); max Δloss is the largest relative difference of the
+per-step training loss from the first policy's (warm-up steps included). The lines
+under the table say the same in words, whether the timings can be trusted (stable
+intervals, threads, machine load), and end with the recommendation."""
 
 
 def add_parser(sub: Any) -> None:
@@ -46,7 +51,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--policies", action="append", metavar="LIST",
                    help="comma-separated policies, the first is the reference (repeatable; "
                    "';' also separates)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per policy (default 20)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per policy (default 20); "
+                   "more rounds follow while a speedup's 95%% interval is wider than ±5%%, "
+                   "within --max-time")
+    p.add_argument("--max-time", type=float, default=20.0, metavar="SECONDS", help="time the "
+                   "timed rounds may take in all to reach stable intervals (default 20; 0: "
+                   "exactly --steps)")
+    p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: 1 on a "
+                   "CPU for models under 5M parameters, else torch's default; recorded in the JSON)")
+    p.add_argument("--max-loss-dev", type=float, default=0.02, metavar="X", help="the largest "
+                   "relative deviation from fp32's loss curve a recommended policy may show "
+                   "(default 0.02)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 3 on CPU, 5 on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model; the "
                    "compile time (the warm-up's excess over its steps) is reported apart from "
@@ -67,17 +82,14 @@ def add_parser(sub: Any) -> None:
 
 def default_policies(device: str) -> str:
     """What ``ampkit bench`` compares when no --policies is given, for the device."""
-    cap = capability(device)
-    if torch.device(device).type != "cuda":
-        return "32-true,bf16-mixed,O2"  # O2 is bf16 on a CPU (its autocast dtype)
-    names = ["32-true", "16-mixed"] + (["bf16-mixed"] if cap.bf16 else []) + ["O2"]
-    return ",".join(names + (["fp8"] if fp8_supported(device) else []))
+    return ",".join(device_policies(device).bench)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the requested policies on one model and print/write the comparison."""
-    from ..bench import parallel, report
-    from ..bench.runner import BenchSettings, parse_policy_list, run_bench
+    from ..bench import measure, parallel, plot, report, verdict
+    from ..bench.policies import parse_policy_list
+    from ..bench.runner import BenchSettings, run_bench
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)
@@ -88,12 +100,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.require_matplotlib(args.plot)
     check_output_paths(json=args.json, plot=args.plot)
+    _check_numbers(args)
+    workload = get_workload(args.model, device, batch_size=args.batch_size,
+                            seed=args.seed)  # a bad model fails here, before any run
+    threads, threads_reason = measure.threads_for(args.threads, torch.device(device).type,
+                                                  workload.build)
     settings = BenchSettings(model=args.model, device=device, steps=args.steps,
                              warmup=args.warmup if args.warmup is not None else (5 if cuda else 3),
                              batch_size=args.batch_size, compile=args.compile, seed=args.seed,
-                             lr=args.lr)
-    workload = get_workload(settings.model, device, batch_size=settings.batch_size,
-                            seed=settings.seed)  # a bad model fails here, before any run
+                             lr=args.lr, threads=threads, max_time=args.max_time)
+    machine = measure.machine_state(threads)  # before the run: its own load is not in it
     # CPU peak RSS only grows within a process: a fresh one per policy keeps it fair.
     isolate = {"always": True, "never": False, "auto": not cuda}[args.isolate]
     out = sys.stderr if args.json == "-" else sys.stdout
@@ -103,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         with report.Progress(enabled=show) as progress:
             results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
+    machine["loadavg_1m_after"] = measure.machine_state(threads)["loadavg_1m"]
     document = _bench_document(results, settings, workload.description, isolate, device)
-    report.render_table(f"ampkit bench: {workload.description} on {device}", report.BENCH_HEADERS,
-                        report.bench_rows(results), out, report.BENCH_LEFT)
+    document["settings"]["threads_reason"] = threads_reason
+    document["machine"] = machine
+    verdict.complete(document, args.max_loss_dev)
+    verdict.render_bench_table(f"ampkit bench: {workload.description} on {device}", results, out)
     if plan is not None:
         document.update(plan.fields())
         report.render_table(f"scaling: {plan.nproc} ranks, {plan.parallel.value}",
@@ -113,17 +132,26 @@ def run(args: argparse.Namespace) -> int:
         document["verdict"].append(parallel.scaling_sentence(plan, results))
     for line in document["verdict"]:
         print(line, file=out)
+    print(document["recommendation"]["sentence"], file=out)  # the last line: what to use
     if args.json:
         report.write_json(document, args.json)
     if args.plot:
-        report.write_bench_plot(document, args.plot)
+        plot.write_bench_plot(document, args.plot)
         print(f"plot: {args.plot}", file=out)
     return 0
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    from ..bench.errors import UsageError
+
+    if not (args.max_loss_dev >= 0 and args.max_loss_dev < float("inf")):
+        raise UsageError(f"--max-loss-dev must be a number >= 0, got {args.max_loss_dev}; "
+                         "valid: e.g. 0.02 (2%)")
+
+
 def _bench_document(results: list[dict[str, Any]], settings: Any, workload: str,
                     isolate: bool, device: str) -> dict[str, Any]:
-    from ..bench.report import bench_verdict, environment
+    from ..bench.report import environment
 
     env = environment(device)
     document = {"command": "bench", "device": env["device"], "torch": env["torch"],
@@ -131,7 +159,6 @@ def _bench_document(results: list[dict[str, Any]], settings: Any, workload: str,
                 "settings": dict(asdict(settings), process_per_policy=isolate,
                                  policies=[r["policy"] for r in results]),
                 "results": results}
-    document["verdict"] = bench_verdict(document)
-    return document
+    return document  # verdict.complete adds the verdict and the recommendation
 
 
