@@ -2,11 +2,12 @@
 
 The step is the benchmark's ``train_step`` under the same ``Precision``, so what
 ``ampkit bench`` measures is what ``ampkit train`` runs; ``bench.stepcheck`` watches it
-(a warning naming the module of a non-finite step, the loss-scale timeline). Exact resumption: the initial
-weights come from the seed, each epoch's shuffle from (seed, epoch) alone, and a
-checkpoint holds the model (fp32, the masters under O2), the optimizer, the GradScaler
-and the amp state, written at the end of every epoch with the sha256 digest of its
-bytes, which a resume checks (torch.load verifies no checksum).
+(a warning naming the module of a non-finite step, the loss-scale timeline).
+
+Exact resumption: the initial weights come from the seed, each epoch's shuffle from
+(seed, epoch) alone, and a checkpoint holds the model (fp32, the masters under O2), the
+optimizer, the GradScaler and the amp state, written at the end of every epoch with the
+sha256 digest of its bytes, which a resume checks (torch.load verifies no checksum).
 """
 
 from __future__ import annotations

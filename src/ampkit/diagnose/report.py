@@ -1,7 +1,8 @@
 """What :func:`ampkit.diagnose.inspect` returns: per-module numbers, FLOPs, advice.
 
 ``Report.to_dict()`` is JSON-serialisable (dtypes become their names; an SQNR of inf
-or -inf stays a float, which ``json.dumps`` writes as ``Infinity``); ``str(report)`` and
+or -inf stays a float, which ``json.dumps`` writes as ``Infinity``; ``ampkit doctor
+--json`` writes strict JSON, the strings "inf", "-inf", "nan"); ``str(report)`` and
 ``report.table(limit)`` are the readable form, worst modules first.
 """
 
