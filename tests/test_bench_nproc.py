@@ -66,8 +66,9 @@ def test_two_ranks_report_global_throughput_and_scaling(tmp_path):
     assert doc["nproc"] == 2 and doc["parallel"] == "ddp" and doc["backend"] == "gloo"
     (result,) = doc["results"]
     assert result["samples_per_s"] > 0 and result["samples_per_s_1proc"] > 0
-    assert result["scaling_efficiency"] == pytest.approx(
-        result["samples_per_s"] / (2 * result["samples_per_s_1proc"]))
+    # Per round: one-process round time / the slowest rank's (a median over rounds, with
+    # an interval once there are enough of them).
+    assert result["scaling_efficiency"] > 0 and "scaling_efficiency_ci" in result
     assert [r["rank"] for r in result["per_rank"]] == [0, 1]
     assert all(r["peak_mem_mib"] >= 0 and r["samples_per_s"] > 0 for r in result["per_rank"])
     # Every rank trains on the same batches, so DDP's averaged gradient is the one-process
@@ -132,6 +133,7 @@ def _usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     (["--parallel", "ddp"], ["--parallel ddp needs --nproc"]),
     (["--nproc", "1", "--parallel", "zero"], ["'zero'", "ddp", "fsdp"]),
     (["--nproc", "two"], ["'two'", "int"]),
+    (["--nproc", "1", "--compile", "--warmup", "2"], ["--compile with --nproc"]),
 ])
 def test_bad_values_exit_2_before_launching(capsys, monkeypatch, argv, words):
     def no_launch(*args, **kwargs):

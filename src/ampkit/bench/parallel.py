@@ -2,18 +2,23 @@
 
 The command relaunches itself: ``python -m torch.distributed.run --standalone
 --nproc-per-node N -m ampkit.bench.parallel JOB`` starts N ranks (gloo on a CPU, nccl on
-CUDA, rank r on ``cuda:r``). For each policy, every rank trains the same steps with the
-model in DDP (the policy applied first, as ``initialize`` wants) or sharded by
-``ampkit.distributed.shard`` (FSDP2), each timing its own steps. Then rank 0 trains alone,
-unwrapped, while the others wait at a barrier: the one-process baseline, with the same
-threads a rank has. Rank 0 gathers the per-rank numbers and writes the results for the
-parent, which renders them like any bench.
+CUDA, rank r on ``cuda:r``), each with the usable cores divided among them as threads.
+For each policy, every rank builds the model in DDP (the policy applied first, as
+``initialize`` wants) or sharded by ``ampkit.distributed.shard`` (FSDP2), and rank 0 also
+builds a plain one-process copy: the baseline, with the threads a rank has. All of these
+runs take turns in rounds of a few steps (the bench's ``play_rounds``, its order
+rotating): the N ranks train together, or rank 0 trains alone while the others wait at a
+barrier. Rank 0 gathers the per-rank numbers and writes the results for the parent,
+which renders them like any bench (speedups between policies from the slowest rank's
+round times).
 
 Numbers: global samples/s = N × batch / the slowest rank's median step time (every step
-waits for the gradient all-reduce, so the ranks keep pace with the slowest); scaling
-efficiency = global samples/s / (N × the one-process samples/s). Every rank trains on
-the same synthetic batches: the throughput is what is measured, and under DDP the loss
-curve then equals the one-process curve, which the result reports as a check.
+waits for the gradient reduction, so the ranks keep the slowest one's pace); scaling
+efficiency = global samples/s / (N × one-process samples/s), taken per round (the
+one-process round time over the slowest rank's) and reported as the median over rounds
+with a 95% interval, so load that comes and goes hits both sides alike. Every rank
+trains on the same synthetic batches: the throughput is what is measured, and under DDP
+the loss curve then equals the one-process curve, which the result reports as a check.
 
 A rank that fails writes its error to a file before it exits; torchrun then stops the
 others, and the parent raises ``RankError`` naming the rank that failed first.
@@ -33,15 +38,16 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from .._torch_compat import TORCH_VERSION
 from .errors import UsageError
-from .runner import (BenchSettings, OptimizerFactory, PolicySpec, Precision, compare,
-                     max_loss_deviation, parse_policy, run_policy)
+from .measure import paired_speedup
+from .runner import (BenchSettings, OptimizerFactory, PolicyRun, PolicySpec, Precision,
+                     compare, max_loss_deviation, parse_policy, play_rounds)
 
 __all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "run_parallel_bench",
            "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
@@ -69,7 +75,8 @@ class ParallelPlan:
         nproc: ranks (processes) on this machine.
         parallel: DDP or FSDP2 (``ampkit.distributed.shard``).
         backend: "gloo" on a CPU, "nccl" on CUDA.
-        threads: intra-op threads of each rank (and of the one-process baseline).
+        threads: intra-op threads a rank may use: the usable cores divided among the
+            ranks (at least 1); ``--threads`` may ask for fewer.
 
     Example:
         >>> check_plan(1, None, [], "cpu").backend
@@ -83,8 +90,7 @@ class ParallelPlan:
 
     def fields(self) -> dict[str, Any]:
         """The JSON document's top-level entries for this plan."""
-        return {"nproc": self.nproc, "parallel": self.parallel.value, "backend": self.backend,
-                "threads_per_rank": self.threads}
+        return {"nproc": self.nproc, "parallel": self.parallel.value, "backend": self.backend}
 
 
 def usable_cores() -> int:
@@ -152,15 +158,26 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
     samples/s, peak memory) and ``peak_mem_mib`` the largest rank's.
 
     Raises:
+        UsageError: ``settings.compile`` (before anything starts).
         RankError: a rank failed (the message names the first that did, and its error).
     """
+    if settings.compile:
+        # Each compiled run starts from a fresh dynamo (runner.build), which would throw
+        # away the compiled code of the runs it takes turns with in the same rank.
+        raise UsageError("--compile with --nproc: the runs that take turns on a rank would "
+                         "recompile each other; valid: --nproc without --compile")
+    # Threads: the cores shared out among the ranks (fewer when --threads asks for fewer).
+    # Exactly --steps steps: more rounds "until stable" would be each rank's own decision,
+    # and the ranks must take the same steps.
+    threads = min(settings.threads or plan.threads, plan.threads)
+    settings = dataclasses.replace(settings, threads=threads, max_time=0.0)
     with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
         job = os.path.join(folder, "job.json")
         with open(job, "w") as out:
             json.dump({"policies": [s.label for s in specs], "settings": asdict(settings),
                        "parallel": plan.parallel.value, "backend": plan.backend,
-                       "threads": plan.threads, "folder": folder}, out)
-        status, log = _launch(job, plan, folder)
+                       "folder": folder}, out)
+        status, log = _launch(job, plan.nproc, threads, folder)
         results_path = os.path.join(folder, _RESULTS)
         if status != 0 or not os.path.exists(results_path):
             if os.environ.get("AMPKIT_DEBUG"):
@@ -170,13 +187,14 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
             return compare(json.load(src))
 
 
-def _launch(job: str, plan: ParallelPlan, folder: str) -> tuple[int, str]:
+def _launch(job: str, nproc: int, threads: int, folder: str) -> tuple[int, str]:
     """torchrun with N ranks; its exit status and everything it and the ranks printed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={plan.nproc}", "--max-restarts=0", "-m", __name__, job]
-    env = _rank_env(plan.threads)
+           f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", __name__, job]
+    env = _rank_env(threads)
     with open(os.path.join(folder, "torchrun.log"), "w+") as log:
-        # Its own session: an interrupt stops torchrun, which stops its ranks.
+        # Its own session, so a Ctrl-C reaches this process alone, which then stops
+        # torchrun, and torchrun its ranks.
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
         try:
@@ -248,19 +266,25 @@ def scaling_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     def num(value: Optional[float], spec: str) -> str:
         return "-" if value is None else format(value, spec)
     return [[r["policy"], num(r["samples_per_s_1proc"], ",.1f"), num(r["samples_per_s"], ",.1f"),
-             num(r["scaling_efficiency"], ".2f"),
+             num(r["scaling_efficiency"], ".2f") + _interval(r.get("scaling_efficiency_ci")),
              " / ".join(num(p["peak_mem_mib"], ",.0f") for p in r["per_rank"]),
              num(r["loss_dev_vs_1proc"], ".2g")] for r in results]
+
+
+def _interval(ci: Optional[list[float]]) -> str:
+    return "" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
 def scaling_sentence(plan: ParallelPlan, results: list[dict[str, Any]]) -> str:
     """What the scaling numbers mean, in words."""
     effs = ", ".join(f"{r['policy']} {r['scaling_efficiency']:.2f}" for r in results
                      if r["scaling_efficiency"] is not None)
-    return (f"{plan.nproc} ranks ({plan.parallel.value.upper()}, {plan.backend}, "
-            f"{plan.threads} thread(s) each): global samples/s = {plan.nproc} × batch / the "
-            f"slowest rank's median step; scaling efficiency (global / ({plan.nproc} × one "
-            f"process with the same threads, measured in this run)): {effs or 'n/a'}.")
+    threads = results[0].get("threads_per_rank", plan.threads) if results else plan.threads
+    return (f"{plan.nproc} ranks ({plan.parallel.value.upper()}, {plan.backend}, {threads} "
+            f"thread(s) each): global samples/s = {plan.nproc} × batch / the slowest rank's "
+            f"median step; scaling efficiency = global / ({plan.nproc} × one process with the "
+            f"same threads), the median over rounds in which the two took turns: "
+            f"{effs or 'n/a'}.")
 
 
 # --- a rank ----------------------------------------------------------------------------------
@@ -292,7 +316,7 @@ def _run_rank(job: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     settings = BenchSettings(**job["settings"])
-    torch.set_num_threads(job["threads"])
+    torch.set_num_threads(settings.threads)
     if torch.device(settings.device).type == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
@@ -301,24 +325,67 @@ def _run_rank(job: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     try:
         device_type = torch.device(settings.device).type
         specs = [parse_policy(label, device_type) for label in job["policies"]]
-        setup = _ddp_setup if job["parallel"] == Parallel.DDP.value else _fsdp_setup
-        return [_run_one(spec, settings, setup, rank) for spec in specs]
+        setup: Setup = _ddp_setup if job["parallel"] == Parallel.DDP.value else _fsdp_setup
+        return _run_policies(specs, settings, setup, rank)
     finally:
         dist.destroy_process_group()
 
 
-def _run_one(spec: PolicySpec, settings: BenchSettings, setup: Any, rank: int) -> dict[str, Any]:
+Setup = Callable[[Precision, nn.Module, OptimizerFactory], tuple[nn.Module, torch.optim.Optimizer]]
+
+
+def _run_policies(specs: list[PolicySpec], settings: BenchSettings, setup: Setup,
+                  rank: int) -> list[dict[str, Any]]:
+    """Every policy on N ranks and, on rank 0, alone: all of them taking turns in rounds.
+
+    ``play_rounds`` (as the single-process bench does) rotates the order each round, so
+    load and drift hit every run alike; the other ranks wait at a barrier while rank 0
+    runs alone. Every rank plays the same rounds: they are fixed by the settings alone.
+    """
     import torch.distributed as dist
 
-    # The ranks first, each fresh for the first policy: their peak memory is comparable.
-    mine = run_policy(spec, settings, parallel=setup)
-    baseline = run_policy(spec, settings) if rank == 0 else None  # the others wait here
-    dist.barrier()
-    numbers = {"rank": rank, "step_ms": mine["step_ms"], "samples_per_s": mine["samples_per_s"],
-               "peak_mem_mib": mine["peak_mem_mib"]}
-    per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, numbers)
-    return _merge(mine, baseline, per_rank) if baseline is not None else mine
+    together = [PolicyRun(spec, settings, setup) for spec in specs]
+    alone = [_Alone(PolicyRun(spec, settings) if rank == 0 else None) for spec in specs]
+    runs: list[Any] = [run for pair in zip(together, alone) for run in pair]
+    play_rounds(runs, settings, [_quiet] * len(runs))
+    results = []
+    for run, baseline in zip(together, alone):
+        mine = run.finish()
+        numbers = {"rank": rank, "step_ms": mine["step_ms"], "peak_mem_mib": mine["peak_mem_mib"],
+                   "samples_per_s": mine["samples_per_s"], "round_ms": mine["round_ms"]}
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, numbers)
+        one = baseline.finish()
+        results.append(mine if one is None else _merge(mine, one, per_rank))
+    return results
+
+
+class _Alone:
+    """Rank 0's one-process run as one of ``play_rounds``' runs; other ranks wait for it."""
+
+    def __init__(self, run: Optional[PolicyRun]) -> None:
+        self.run_ = run
+        self.round_ms: list[float] = [] if run is None else run.round_ms
+
+    def warm_up(self) -> None:
+        self._alone(lambda run: run.warm_up())
+
+    def run(self, steps: int) -> None:
+        self._alone(lambda run: run.run(steps))
+
+    def finish(self) -> Optional[dict[str, Any]]:
+        return None if self.run_ is None else self.run_.finish()
+
+    def _alone(self, work: Callable[[PolicyRun], Any]) -> None:
+        import torch.distributed as dist
+
+        if self.run_ is not None:
+            work(self.run_)
+        dist.barrier()  # a wait in a socket: it takes no CPU from rank 0
+
+
+def _quiet(done: int, total: int) -> None:
+    pass
 
 
 def _merge(mine: dict[str, Any], baseline: dict[str, Any],
@@ -326,15 +393,21 @@ def _merge(mine: dict[str, Any], baseline: dict[str, Any],
     """Rank 0's result with the global throughput, the scaling and the per-rank numbers."""
     nproc = len(per_rank)
     slowest = max(p["step_ms"] for p in per_rank)
-    batch = mine["samples_per_s"] * mine["step_ms"] / 1e3 if mine["samples_per_s"] else None
-    global_sps = nproc * batch / slowest * 1e3 if batch and slowest > 0 else None
-    one = baseline["samples_per_s"]
-    return dict(mine, step_ms=slowest, samples_per_s=global_sps,
+    batch = round(mine["samples_per_s"] * mine["step_ms"] / 1e3) if mine["samples_per_s"] else 0
+    # Each round's efficiency: the one-process round time over the N-rank round time of
+    # the slowest rank (global samples/s over N x one-process samples/s, for that round).
+    together_ms = [max(rounds) for rounds in zip(*(p.pop("round_ms") for p in per_rank))]
+    efficiency, interval = paired_speedup(baseline["round_ms"], together_ms)
+    # round_ms: the slowest rank's, so the speedups between policies compare global rates.
+    return dict(mine, step_ms=slowest, threads_per_rank=torch.get_num_threads(),
+                round_ms=together_ms, interleaved=True,
+                samples_per_s=nproc * batch / slowest * 1e3 if slowest > 0 else None,
                 peak_mem_mib=max(p["peak_mem_mib"] for p in per_rank),
                 memory_method=mine["memory_method"] + ", per rank (the largest shown)",
-                per_rank=per_rank, samples_per_s_1proc=one, step_ms_1proc=baseline["step_ms"],
-                peak_mem_mib_1proc=baseline["peak_mem_mib"],
-                scaling_efficiency=global_sps / (nproc * one) if global_sps and one else None,
+                per_rank=per_rank, samples_per_s_1proc=baseline["samples_per_s"],
+                step_ms_1proc=baseline["step_ms"], peak_mem_mib_1proc=baseline["peak_mem_mib"],
+                scaling_efficiency=efficiency,
+                scaling_efficiency_ci=None if interval is None else list(interval),
                 loss_dev_vs_1proc=max_loss_deviation(mine["losses"], baseline["losses"]))
 
 
