@@ -53,3 +53,30 @@ def test_cpu_without_half_hardware_recommends_fp32(monkeypatch):
 def test_autocast_defaults():
     assert _dtypes.autocast_default_dtype("cpu") is torch.bfloat16
     assert _dtypes.autocast_default_dtype("cuda") is torch.float16
+
+
+@pytest.mark.parametrize("cap, recommended, candidates, bench", [
+    (_dtypes.Capability("cuda:0", "H200", True, True, True), "bf16-mixed",
+     ("32-true", "bf16-mixed", "O2-bf16", "16-mixed", "O2-fp16"),
+     ("32-true", "16-mixed", "bf16-mixed", "O2", "fp8")),
+    (_dtypes.Capability("cuda:0", "V100", False, True, False), "16-mixed",
+     ("32-true", "16-mixed", "O2-fp16"), ("32-true", "16-mixed", "O2")),
+    (_dtypes.Capability("cpu", "Xeon", True, True, False), "bf16-mixed",
+     ("32-true", "bf16-mixed", "O2-bf16"), ("32-true", "bf16-mixed", "O2")),
+    (_dtypes.Capability("cpu", "plain", False, False, False), "32-true",
+     ("32-true",), ("32-true", "bf16-mixed", "O2")),
+])
+def test_one_policy_table_answers_info_bench_and_autotune(monkeypatch, cap, recommended,
+                                                          candidates, bench):
+    from ampkit.cli.bench import default_policies
+    from ampkit.tune import native_candidates
+
+    monkeypatch.setattr(_dtypes, "capability", lambda device=None: cap)
+    monkeypatch.setattr(_dtypes, "fp8_supported", lambda device=None: cap.fp8)
+    table = _dtypes.device_policies(cap.device)
+    assert (table.recommended, table.candidates, table.bench) == (recommended, candidates, bench)
+    assert recommend_policy(cap.device) == (table.recommended, table.reason)
+    assert native_candidates(cap.device) == list(candidates)
+    assert default_policies(cap.device) == ",".join(bench)
+    for name in candidates:
+        get_policy(name)

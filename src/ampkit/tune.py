@@ -10,10 +10,10 @@ rule. The caller's model, its RNG state and autocast state are left as they were
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -38,8 +38,9 @@ class TuneResult:
         policy: the chosen policy's name.
         keep_fp32: module names kept in fp32 by the choice (none chosen this way yet).
         fp8_modules: module names the choice runs in fp8.
-        rows: one dict per candidate: "policy", "step_ms", "peak_mib", "max_loss_dev",
-            "accepted", "reason".
+        rows: one dict per candidate: "policy", "step_ms" (median), "peak_mib" (CUDA's
+            allocator; None on a CPU), "max_loss_dev", "accepted", "reason", and
+            "timed_ms"/"timed_steps" (the sum and number of its timed steps).
         speedup: fp32's step time over the chosen one's (1.0 for "32-true").
     """
 
@@ -161,11 +162,19 @@ class _Run:
     """One candidate: its own copy of the model, optimizer, scaler; its losses and times."""
 
     def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str) -> None:
+        from .bench import measure  # the one timing and memory harness (bench imports tune)
+
         self.name = name
         self.policy = get_policy(name)
-        self.model = copy.deepcopy(model).to(device)
-        self.optimizer = make_opt(self.model.parameters())
-        apply_policy(self.policy, self.model, self.optimizer)
+        self.cuda = torch.device(device).type == "cuda"
+        # CUDA: each candidate's own peak, though all share the process; a CPU's RSS cannot
+        # be told apart between candidates in one process, so there it is not reported.
+        self.memory = measure.MemoryMeter(torch.device(device)) if self.cuda else None
+        self._measure = measure
+        with self._tracked():
+            self.model = copy.deepcopy(model).to(device)
+            self.optimizer = make_opt(self.model.parameters())
+            apply_policy(self.policy, self.model, self.optimizer)
         self.scaler = loop_scaler(self.policy, device)
         self.autocast = autocast(device, dtype=self.policy.compute_dtype if self.policy.autocast
                                  else torch.float32, enabled=self.policy.autocast)
@@ -173,11 +182,21 @@ class _Run:
         self.losses: list[Tensor] = []
         self.times: list[float] = []
 
+    def _tracked(self) -> Any:
+        return self.memory.track() if self.memory is not None else contextlib.nullcontext()
+
     def step(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]],
              timed: bool) -> None:
+        # Each step waits for the device before and after (the candidates take turns).
+        self._measure.synchronize(torch.device(self.device))
+        with self._tracked():
+            times = self._measure.time_steps(lambda: self._train(batch, loss_fn),
+                                             torch.device(self.device), 1)
+        if timed:
+            self.times += times
+
+    def _train(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]]) -> None:
         inputs, target = batch
-        _synchronize(self.device)
-        start = time.perf_counter()
         with self.autocast:
             output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
             loss = (loss_fn or default_loss)(output, target)
@@ -185,9 +204,6 @@ class _Run:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        _synchronize(self.device)
-        if timed:
-            self.times.append((time.perf_counter() - start) * 1e3)
         self.losses.append(loss.detach().float())
 
     def row(self, reference: list[Tensor]) -> dict[str, Any]:
@@ -195,9 +211,10 @@ class _Run:
         ref = [float(v) for v in reference]
         finite = all(math.isfinite(v) for v in ours)
         dev = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, ref)) if finite else None
-        peak = (torch.cuda.max_memory_allocated() / 2**20) if self.device == "cuda" else None
+        peak = self.memory.peak_mib() if self.memory is not None else None
         return {"policy": self.name, "step_ms": statistics.median(self.times),
-                "peak_mib": peak, "max_loss_dev": dev, "accepted": False, "reason": ""}
+                "peak_mib": peak, "max_loss_dev": dev, "accepted": False, "reason": "",
+                "timed_ms": sum(self.times), "timed_steps": len(self.times)}
 
 
 def _to_device(value: Any, device: str) -> Any:
@@ -206,11 +223,6 @@ def _to_device(value: Any, device: str) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_to_device(v, device) for v in value)
     return value
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 class _untouched_state:  # noqa: N801 - used as a context manager

@@ -71,23 +71,26 @@ def notes(r: dict[str, Any]) -> str:
 
 def render_bench_table(title: str, results: Sequence[dict[str, Any]], out: IO[str]) -> None:
     """The bench table in at most 80 columns (rich wraps the notes and headers to fit)."""
-    rows = bench_rows(results)
+    render_narrow(title, BENCH_HEADERS, bench_rows(results), out, BENCH_LEFT)
+
+
+def render_narrow(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                  out: IO[str], left: Sequence[int]) -> None:
+    """A table in at most 80 columns: every column keeps its width but the last of
+    ``left`` (free text), which wraps. Plain text without rich."""
     if not have_rich():
-        render_table(title, BENCH_HEADERS, rows, out, BENCH_LEFT)
+        render_table(title, headers, rows, out, left)
         return
     from rich import box
     from rich.console import Console
     from rich.table import Table
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for i, head in enumerate(BENCH_HEADERS):
-        # Every column but the notes keeps its width; the notes wrap.
-        table.add_column(head, justify="left" if i in BENCH_LEFT else "right",
-                         no_wrap=i != BENCH_LEFT[-1],
+    for i, head in enumerate(headers):
+        table.add_column(head, justify="left" if i in left else "right", no_wrap=i != left[-1],
                          min_width=max(len(row[i]) for row in rows) if i == 0 else None)
     for row in rows:
         table.add_row(*row)
-    width = TABLE_WIDTH if not out.isatty() else None
-    console = Console(file=out, width=width)
+    console = Console(file=out, width=None if out.isatty() else TABLE_WIDTH)
     console.width = min(console.width, TABLE_WIDTH)
     console.print(table)
 

@@ -13,10 +13,10 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__
-from . import bench, doctor, info, train
+from . import bench, doctor, info, train, tune
 from ._common import Parser, UsageError, one_line
 
-_COMMANDS = (bench, train, info, doctor)
+_COMMANDS = (bench, train, info, doctor, tune)
 
 
 def build_parser() -> Parser:

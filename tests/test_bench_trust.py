@@ -1,0 +1,205 @@
+"""ampkit bench you can trust: rounds, intervals, threads, machine load, the recommendation.
+
+The statistics and the round schedule are checked on made-up numbers (exact answers);
+the command is checked on whatever this machine measures: the recommendation must obey
+autotune's rule on the numbers of that same run, never a hard-coded answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ampkit._dtypes import device_policies
+from ampkit.bench import measure, recommend, verdict
+from ampkit.bench.runner import BenchSettings, play_rounds, stable
+from ampkit.cli import main
+
+TINY = ["--model", "mlp", "--batch-size", "8", "--warmup", "1", "--quiet"]
+
+
+# --- statistics ---------------------------------------------------------------------------------
+def test_median_interval_is_the_order_statistics_of_a_binomial():
+    assert measure.median_interval([float(v) for v in range(1, 11)]) == (2.0, 9.0)  # 97.9%
+    assert measure.median_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)     # 96.9%
+    assert measure.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 93.8% at best
+    lo, hi = measure.median_interval([float(v) for v in range(100)])
+    assert (lo, hi) == (39.0, 60.0)  # ranks 40 and 61 of 100
+
+
+def test_paired_rounds_cancel_drift_that_hits_both():
+    # The machine slows down tenfold over the run; each round's pair stays 2:1.
+    reference = [10.0 * (1 + r) for r in range(8)]
+    policy = [5.0 * (1 + r) for r in range(8)]
+    speedup, interval = measure.paired_speedup(reference, policy)
+    assert speedup == 2.0 and interval == (2.0, 2.0)
+    assert measure.half_width(speedup, interval) == 0.0
+    assert measure.half_width(1.0, None) == math.inf
+
+
+def test_memory_meter_charges_each_run_only_its_own_memory():
+    meters = [measure.MemoryMeter(torch.device("cpu")) for _ in range(2)]
+    if not meters[0].resettable:
+        pytest.skip("peak RSS cannot be reset here (/proc/self/clear_refs)")
+    kept = []
+    with meters[0].track():
+        kept.append(torch.ones(16 << 20))  # 64 MiB, held between its stretches
+    with meters[1].track():
+        transient = torch.ones(2 << 20)  # 8 MiB, freed within the stretch
+        del transient
+    with meters[0].track():
+        pass
+    assert meters[0].peak_mib() > 56
+    assert meters[1].peak_mib() < 40  # the other run's 64 MiB is not charged to it
+
+
+# --- the round schedule -------------------------------------------------------------------------
+class FakeRun:
+    """Stands in for a PolicyRun: logs the order of its rounds, returns given times."""
+
+    def __init__(self, name: str, log: list, ms) -> None:
+        self.name, self.log, self.ms, self.round_ms = name, log, ms, []
+
+    def warm_up(self) -> None:
+        self.log.append(("warm", self.name))
+
+    def run(self, steps: int) -> list[float]:
+        self.log.append((self.name, steps))
+        times = [self.ms(len(self.round_ms))] * steps
+        self.round_ms.append(times[0])
+        return times
+
+
+def _runs(log: list, noisy: bool) -> list[FakeRun]:
+    noise = (lambda r: 10.0 + 5 * (r % 3)) if noisy else (lambda r: 10.0)
+    return [FakeRun("A", log, lambda r: 10.0), FakeRun("B", log, noise), FakeRun("C", log, noise)]
+
+
+def test_rounds_take_turns_in_a_rotating_order_and_cover_exactly_the_steps():
+    log: list = []
+    runs = _runs(log, noisy=False)
+    ticks: list = []
+    played = play_rounds(runs, BenchSettings(steps=5, round_steps=2),
+                         [lambda d, t: ticks.append((d, t))] * 3)
+    assert played == 3
+    assert log[:3] == [("warm", "A"), ("warm", "B"), ("warm", "C")]
+    assert log[3:] == [("A", 2), ("B", 2), ("C", 2), ("B", 2), ("C", 2), ("A", 2),
+                       ("C", 1), ("A", 1), ("B", 1)]
+    assert ticks[-1] == (8, 8)  # 3 warm-up + 5 timed steps
+
+
+def test_more_rounds_only_while_unstable_and_within_the_limits():
+    log: list = []
+    steady = _runs(log, noisy=False)
+    assert play_rounds(steady, BenchSettings(steps=12, max_time=60), [lambda d, t: None] * 3) == 6
+    assert stable(steady)
+    noisy = _runs([], noisy=True)
+    played = play_rounds(noisy, BenchSettings(steps=12, max_time=60), [lambda d, t: None] * 3)
+    assert played == 30 and not stable(noisy)  # stopped at 5x --steps, not at the budget
+    assert play_rounds(_runs([], noisy=True), BenchSettings(steps=12, max_time=0),
+                       [lambda d, t: None] * 3) == 6  # no budget: exactly --steps
+
+
+# --- the recommendation rule --------------------------------------------------------------------
+def _result(policy: str, round_ms: list[float], losses: list[float], fp32: bool = False) -> dict:
+    return {"policy": policy, "pure_fp32": fp32, "interleaved": True, "round_ms": round_ms,
+            "step_ms": sorted(round_ms)[len(round_ms) // 2], "losses": losses,
+            "peak_mem_mib": 10.0}
+
+
+def test_recommend_applies_autotunes_rule_against_the_fp32_row_wherever_it_is():
+    fp32 = _result("32-true", [10.0] * 8, [2.0, 1.0], fp32=True)
+    fast_far = _result("bf16-mixed", [5.0] * 8, [2.0, 1.1])      # 2x, loss 10% away
+    fast_near = _result("O2", [8.0] * 8, [2.0, 1.001])           # 1.25x, within 2%
+    slow = _result("16-mixed", [12.0] * 8, [2.0, 1.0])
+    rec = recommend([fast_far, fp32, fast_near, slow])  # fp32 need not be first
+    assert rec["recommended"] == "O2" and rec["speedup"] == pytest.approx(1.25)
+    assert [r["policy"] for r in rec["rows"]] == ["32-true", "bf16-mixed", "O2", "16-mixed"]
+    assert [r["accepted"] for r in rec["rows"]] == [True, False, True, False]
+    assert recommend([fp32, slow])["recommended"] == "32-true"
+    none = recommend([fast_far, slow])
+    assert none["recommended"] is None and "add 32-true" in none["reason"]
+    assert verdict.recommendation_sentence(none, []).startswith("Recommendation: none.")
+
+
+# --- the command, on whatever this machine measures ---------------------------------------------
+def _bench(tmp_path, capsys, *argv: str) -> tuple[dict, list[str]]:
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out.splitlines()
+
+
+def test_bench_recommends_by_the_rule_on_what_it_measured(tmp_path, capsys):
+    doc, lines = _bench(tmp_path, capsys, "--policies", "32-true,bf16-mixed,O2", "--steps", "12",
+                        "--max-time", "0", "--isolate", "never", "--threads", "1")
+    results = {r["policy"]: r for r in doc["results"]}
+    chosen = doc["recommended"]
+    assert chosen in results and chosen == doc["recommendation"]["recommended"]
+    rule_row = next(r for r in doc["recommendation"]["rows"] if r["policy"] == chosen)
+    if chosen != "32-true":  # never slower than fp32 in this run, never beyond the tolerance
+        assert rule_row["speedup"] >= 1 and rule_row["max_loss_dev"] <= 0.02
+    assert recommend(doc["results"])["recommended"] == chosen  # the same rule, recomputed
+    for r in doc["results"]:
+        assert len(r["round_ms"]) == 6 and len(r["step_times_ms"]) == 12
+        lo, hi = r["speedup_ci"]
+        assert lo <= r["speedup"] <= hi
+    assert doc["stability"]["rounds"] == 6 and isinstance(doc["stability"]["stable"], bool)
+    assert (doc["settings"]["threads"], doc["settings"]["threads_reason"]) == (1, "1, as asked (--threads)")
+    assert {"cpus", "loadavg_1m", "busy", "governor"} <= doc["machine"].keys()
+    assert lines[-1].startswith(f"Recommendation: {chosen} here")
+    if not doc["recommendation"]["trustworthy"]:
+        assert "Provisional:" in lines[-1]
+    table = lines[:lines.index(next(line for line in lines if line.startswith("Device ")))]
+    assert max(len(line) for line in table) <= 80, table
+
+
+def test_bench_auto_runs_the_autotune_candidates_in_their_own_processes(tmp_path, capsys):
+    doc, _ = _bench(tmp_path, capsys, "--policies", "auto", "--steps", "2", "--max-time", "0")
+    assert doc["settings"]["policies"] == list(device_policies("cpu").candidates)
+    assert doc["settings"]["process_per_policy"] is True
+    assert doc["settings"]["threads"] == 1  # the default for a small model on a CPU
+    assert "small model" in doc["settings"]["threads_reason"]
+    for r in doc["results"]:
+        assert r["memory_method"].endswith("in a process of its own per policy")
+        assert r["peak_mem_mib"] > 0 and len(r["round_ms"]) == 1
+        assert r["speedup_ci"] is None  # one round: too few for an interval
+    assert doc["stability"]["stable"] is (len(doc["results"]) == 1)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--threads", "0"], ["--threads", "at least 1"]),
+    (["--max-time", "-1"], ["--max-time", "-1"]),
+    (["--max-loss-dev", "-0.1"], ["--max-loss-dev", "valid"]),
+    (["--max-loss-dev", "nan"], ["--max-loss-dev", "nan"]),
+])
+def test_bad_trust_settings_exit_2_before_running(capsys, argv, words):
+    assert main(["bench", *TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_the_verdict_flags_doubts_and_far_loss_curves():
+    ref = {"policy": "32-true", "half_dtype": None, "speedup": 1.0, "speedup_ci": [1.0, 1.0],
+           "mem_ratio": 1.0, "max_loss_rel_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0,
+           "losses": [1.0], "memory_method": "m", "adam_eps": 1e-8, "round_ms": [1.0] * 6,
+           "interleaved": True, "pure_fp32": True, "step_ms": 1.0, "peak_mem_mib": 1.0,
+           "loss_scaling": "off", "skipped_steps": None, "compile_s": None}
+    half = dict(ref, policy="16-true", half_dtype="float16", speedup=1.02, speedup_ci=[0.9, 1.2],
+                max_loss_rel_dev=0.08, adam_eps=1e-4, pure_fp32=False, losses=[1.08])
+    doc = {"environment": {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
+                           "native": {"bf16": True, "fp16": False, "fp8": False}},
+           "results": [ref, half], "workload": "w", "machine": {"busy": True, "loadavg_1m": 3.0,
+                                                                 "cpus": 2, "governor": None},
+           "settings": {"steps": 6, "warmup": 1, "threads": 1, "max_time": 0}}
+    text = " ".join(verdict.complete(doc, 0.02)["verdict"])
+    assert "no measurable difference" in text
+    assert "moved up to 8% from 32-true's, more than the 2% tolerance" in text
+    assert "AdamW eps 0.0001 instead of 1e-8" in text and "(busy)" in text
+    assert "Timings NOT stable" in text
+    assert doc["recommended"] == "32-true"  # 16-true is too far from fp32's loss
+    assert "Provisional: the timings were not stable and the machine was busy" in \
+        doc["recommendation"]["sentence"]
+    assert "AdamW eps 0.0001" in verdict.notes(half)

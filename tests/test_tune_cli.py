@@ -1,0 +1,67 @@
+"""``ampkit tune``: autotune from the command line (table, choice, JSON, bad inputs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ampkit
+from ampkit._dtypes import device_policies
+from ampkit.cli import main
+
+TINY = ["--model", "mlp", "--batch-size", "16", "--steps", "4", "--quiet"]
+
+
+def test_tune_prints_the_table_and_the_choice_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(["tune", *TINY, "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    doc = json.loads(out.read_text())
+    rows = doc["result"]["rows"]
+    assert [r["policy"] for r in rows] == list(device_policies("cpu").candidates)
+    assert doc["recommended"] == doc["result"]["policy"]
+    chosen = next(r for r in rows if r["policy"] == doc["recommended"])
+    if doc["recommended"] != "32-true":  # the rule, on what this run measured
+        assert chosen["accepted"] and chosen["step_ms"] < rows[0]["step_ms"]
+        assert chosen["max_loss_dev"] <= 0.02
+    assert all(r["timed_steps"] == 2 for r in rows)
+    assert doc["settings"]["threads"] == 1 and doc["settings"]["candidates"] == [r["policy"] for r in rows]
+    assert any(line.lstrip().startswith(rows[0]["policy"]) for line in lines)
+    assert lines[-1].startswith(f"Chosen: {doc['recommended']}:")
+    table = lines[:-1]
+    assert max(len(line) for line in table) <= 80, table
+
+
+def test_tune_candidates_and_threads(tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(["tune", *TINY, "--candidates", "bf16-mixed", "--threads", "2",
+                 "--max-loss-dev", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["result"]["rows"]] == ["32-true", "bf16-mixed"]
+    assert doc["settings"]["threads"] == 2
+    bf16 = doc["result"]["rows"][1]
+    if bf16["max_loss_dev"] > 0:  # a zero tolerance rejects any deviation
+        assert doc["recommended"] == "32-true" and "loss moved" in bf16["reason"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--candidates", "bf17-mixed"], ["'bf17-mixed'", "valid:", "bf16-mixed"]),
+    (["--candidates", "fp8"], ["'fp8'", "valid:"]),
+    (["--candidates", ","], ["names no policy", "valid:"]),
+    (["--steps", "2"], ["--steps", "at least 3"]),
+    (["--max-loss-dev", "-1"], ["--max-loss-dev", "-1"]),
+    (["--max-loss-dev", "inf"], ["--max-loss-dev", "inf"]),
+    (["--threads", "0"], ["--threads", "0"]),
+    (["--model", "vgg"], ["'vgg'", "valid: mlp"]),
+    (["--steps", "x"], ["'x'", "int"]),
+])
+def test_bad_inputs_exit_2_before_training(capsys, monkeypatch, argv, words):
+    def no_training(*args, **kwargs):
+        raise AssertionError("autotune ran")
+    monkeypatch.setattr(ampkit, "autotune", no_training)
+    assert main(["tune", "--model", "mlp", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    for word in words:
+        assert word in err[0], (word, err[0])
