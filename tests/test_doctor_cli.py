@@ -137,6 +137,13 @@ def test_policy_names_mean_what_bench_takes(capsys):
     assert "policy O2-bf16: half dtype bfloat16" in out and "keep the policy 'O2-bf16'" in out
 
 
+def test_help_names_the_options_and_the_columns(capsys):
+    assert main(["doctor", "--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("--policy", "--plot", "--json", "--top", "out SQNR dB", '"inf"', "O2-fp16"):
+        assert word in out
+
+
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib (cli extra)")
 def test_plot_is_written(capsys, tmp_path, user_models):
     path = tmp_path / "sub" / "doctor.png"
