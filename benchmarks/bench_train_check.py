@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from ampkit.bench.data import load_data  # noqa: E402
-from ampkit.bench.runner import train_step  # noqa: E402
+from ampkit.bench.precision import train_step  # noqa: E402
 from ampkit.bench.train import Trainer, TrainSettings  # noqa: E402
 from ampkit.bench.workloads import classification_loss  # noqa: E402
 

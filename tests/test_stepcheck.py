@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ampkit.bench.data import load_data
-from ampkit.bench.runner import train_step
+from ampkit.bench.precision import train_step
 from ampkit.bench.train import (Trainer, TrainSettings, load_checkpoint, loss_scale_timeline,
                                 train)
 from ampkit.bench.workloads import classification_loss

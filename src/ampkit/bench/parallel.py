@@ -46,8 +46,9 @@ from torch import nn
 from .._torch_compat import TORCH_VERSION
 from .errors import UsageError
 from .measure import paired_speedup
-from .runner import (BenchSettings, OptimizerFactory, PolicyRun, PolicySpec, Precision,
-                     compare, max_loss_deviation, parse_policy, play_rounds)
+from .policies import PolicySpec, parse_policy
+from .precision import OptimizerFactory, Precision
+from .runner import BenchSettings, PolicyRun, compare, max_loss_deviation, play_rounds
 
 __all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "run_parallel_bench",
            "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]

@@ -1,4 +1,7 @@
-"""Presenting benchmark and training results: progress, tables, verdicts, JSON, plots.
+"""Presenting results, shared by the commands: progress, tables, environment, JSON.
+
+The bench's own table, sentences and recommendation are ``bench.verdict``; its plot is
+``bench.plot``.
 
 rich and matplotlib are optional (the ``cli`` extra): without rich the tables are plain
 text and the progress is one updating line; without matplotlib ``--plot`` is refused
@@ -11,7 +14,7 @@ import json
 import math
 import os
 import sys
-from typing import IO, Any, Callable, Optional, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import torch
 
@@ -145,19 +148,6 @@ class Progress:
 
 
 # --- tables --------------------------------------------------------------------------------
-def _fmt(value: Optional[float], spec: str, none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def _sig(value: Optional[float], none: str = "-") -> str:
-    """About three significant digits, never in scientific notation above 1."""
-    if value is None:
-        return none
-    size = abs(value)
-    spec = ",.0f" if size >= 100 else ".1f" if size >= 10 else ".2f" if size >= 1 else ".3g"
-    return format(value, spec)
-
-
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
                  out: IO[str], left: Sequence[int] = (0,)) -> None:
     """A table: rich's when installed, else plain text; columns in ``left`` left-aligned,
@@ -184,103 +174,6 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
         out.write("  ".join(cells).rstrip() + "\n")
 
 
-BENCH_HEADERS = ("policy", "step ms", "IQR ms", "samples/s", "speedup", "peak MiB",
-                 "mem ×", "final loss", "max |Δloss|", "notes")
-BENCH_LEFT = (0, 9)  # policy and notes
-
-
-def bench_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """One table row per policy result."""
-    return [[r["policy"], _sig(r["step_ms"]), _sig(r["step_ms_iqr"]),
-             _sig(r["samples_per_s"]), _fmt(r["speedup"], ".2f") + "×",
-             _sig(r["peak_mem_mib"]), _fmt(r["mem_ratio"], ".2f"),
-             _fmt(r["final_loss"], ".4g", "non-finite"), _fmt(r["max_loss_dev"], ".2g", "n/a"),
-             _notes(r)] for r in results]
-
-
-def _notes(r: dict[str, Any]) -> str:
-    notes = []
-    if r["half_dtype"] is not None:
-        notes.append({"float16": "fp16", "bfloat16": "bf16"}[r["half_dtype"]])
-    if r["loss_scaling"] != "off":
-        notes.append(f"scale {r['loss_scaling']}")
-    if r["skipped_steps"]:
-        notes.append(f"{r['skipped_steps']} skipped")
-    if r["fp8_recipe"] is not None:
-        notes.append(f"{r['fp8_layers']} fp8 layers")
-    if r["compile_s"] is not None:
-        notes.append(f"compile {r['compile_s']:.1f}s")
-    return ", ".join(notes)
-
-
-# --- what the numbers say -------------------------------------------------------------------
-def bench_verdict(document: dict[str, Any]) -> list[str]:
-    """Plain sentences on what the run measured, including the unflattering parts."""
-    env, results = document["environment"], document["results"]
-    ref = results[0]
-    native = env["native"]
-    lines = [f"Device {env['device']} ({env['device_name']}): native bf16 "
-             f"{_yes(native['bf16'])}, fp16 {_yes(native['fp16'])}, fp8 {_yes(native['fp8'])}; "
-             f"torch {env['torch']}, ampkit {env['ampkit']}.",
-             f"Workload: {document['workload']}; {document['settings']['steps']} timed steps after "
-             f"{document['settings']['warmup']} warm-up steps; speedup and memory relative to "
-             f"{ref['policy']}."]
-    if "fp32_math" in env:
-        lines.append(f"fp32 on this GPU (torch's settings): {env['fp32_math']}.")
-    lines += [_policy_sentence(r, ref) for r in results[1:]]
-    # fp8 rows get their own sentence (emulated on a CPU, which is why they are slow there).
-    slower = [r["policy"] for r in results[1:]
-              if r["half_dtype"] and r["fp8_recipe"] is None and (r["speedup"] or 0) < 1]
-    if slower and env["device"] == "cpu":
-        lines.append(_cpu_slowdown(slower, native))
-    for r in results:
-        if r["fp8_recipe"] is not None:
-            lines.append(_fp8_sentence(r, native["fp8"]))
-        if r["nonfinite_losses"]:
-            lines.append(f"{r['policy']}: {r['nonfinite_losses']} of {len(r['losses'])} losses "
-                         "were inf/NaN: this policy does not train this model as it is.")
-    lines.append(f"Peak memory: {ref['memory_method']}.")
-    if env["device"] == "cpu" and not document["settings"].get("process_per_policy", True):
-        lines.append("All policies ran in one process: a later policy reuses heap memory an "
-                     "earlier one freed, so its peak RSS is understated (--isolate always "
-                     "measures each in a fresh process).")
-    return lines
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-def _policy_sentence(r: dict[str, Any], ref: dict[str, Any]) -> str:
-    speed = r["speedup"]
-    pace = ("n/a" if speed is None else f"{speed:.2f}× the speed of {ref['policy']} "
-            f"({'faster' if speed >= 1 else 'slower'})")
-    mem = "" if r["mem_ratio"] is None else f", {r['mem_ratio']:.2f}× its peak memory"
-    dev = ("its loss curve went non-finite" if r["max_loss_dev"] is None
-           else f"loss curve within {r['max_loss_dev']:.2g} of it")
-    return f"{r['policy']}: {pace}{mem}, {dev}."
-
-
-def _cpu_slowdown(slower: list[str], native: dict[str, bool]) -> str:
-    if not (native["bf16"] or native["fp16"]):
-        return (f"{', '.join(slower)} ran slower than fp32 because this CPU has no "
-                "half-precision arithmetic (no AVX512-BF16/AMX): expected here, and no "
-                "guide to a GPU, where half precision is what tensor cores are built for.")
-    return (f"{', '.join(slower)} ran slower than fp32 on this CPU although it has native "
-            "half-precision instructions: at sizes this small, casts and per-op overheads can "
-            "cost more than the faster matmuls save. These are this machine's measured "
-            "numbers; a GPU behaves differently.")
-
-
-def _fp8_sentence(r: dict[str, Any], native_fp8: bool) -> str:
-    if not r["fp8_layers"]:
-        return (f"{r['policy']}: no Linear layer had in/out features divisible by 16, so nothing "
-                "ran in fp8 (the run is bf16-mixed).")
-    hardware = ("on fp8 tensor cores" if native_fp8 else
-                "emulated (this device has no fp8 matmul): its time says nothing about a GPU")
-    return f"{r['policy']}: {r['fp8_layers']} Linear layers in fp8, {hardware}."
-
-
 # --- plot ----------------------------------------------------------------------------------
 def require_matplotlib(path: str) -> None:
     """Refuse ``--plot PATH`` before running when matplotlib is absent or PATH is no PNG."""
@@ -291,40 +184,3 @@ def require_matplotlib(path: str) -> None:
     except ImportError:
         raise UsageError(f"--plot {path!r} needs matplotlib, which is not installed; valid: "
                           "pip install 'ampkit[cli]' (or matplotlib), or leave out --plot") from None
-
-
-def write_bench_plot(document: dict[str, Any], path: str) -> None:
-    """PNG with four panels: step time (median, IQR bars), peak memory, loss curves, and
-    each loss curve minus the first policy's (the curves themselves often overlap)."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    results = document["results"]
-    labels = [r["policy"] for r in results]
-    fig, (ax_time, ax_mem, ax_loss, ax_dev) = plt.subplots(1, 4, figsize=(19, 4.5))
-    ax_time.bar(labels, [r["step_ms"] for r in results],
-                yerr=[r["step_ms_iqr"] / 2 for r in results], capsize=4)
-    ax_time.set_ylabel("median step time (ms), IQR bars")
-    ax_mem.bar(labels, [r["peak_mem_mib"] for r in results], color="tab:orange")
-    ax_mem.set_ylabel("peak memory (MiB)")
-    ref = [float("nan") if v is None else v for v in results[0]["losses"]]
-    for r in results:
-        losses = [float("nan") if v is None else v for v in r["losses"]]
-        steps = range(1, len(losses) + 1)
-        ax_loss.plot(steps, losses, label=r["policy"])
-        ax_dev.plot(steps, [a - b for a, b in zip(losses, ref)], label=r["policy"])
-    for ax, label in ((ax_loss, "training loss"), (ax_dev, f"loss − {labels[0]}'s loss")):
-        ax.set_xlabel("step (warm-up included)")
-        ax.set_ylabel(label)
-        ax.legend()
-    for ax in (ax_time, ax_mem):
-        ax.tick_params(axis="x", rotation=30)
-    env = document["environment"]
-    fig.suptitle(f"ampkit bench: {document['workload']} on {env['device']} ({env['device_name']})")
-    fig.tight_layout()
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

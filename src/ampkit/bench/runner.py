@@ -28,13 +28,13 @@ from ..tune import choose
 from .errors import UsageError
 from .measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
-from .policies import PolicySpec, loss_scaling_label, parse_policy, parse_policy_list
+from .policies import PolicySpec, loss_scaling_label
 from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, train_step
 from .workloads import Workload, get_workload
 
-__all__ = ["BenchSettings", "OptimizerFactory", "PolicyRun", "PolicySpec", "Precision",
-           "compare", "max_loss_deviation", "parse_policy", "parse_policy_list", "recommend",
-           "run_bench", "run_policy", "train_step"]
+__all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "max_loss_deviation",
+           "play_rounds", "recommend", "relative_loss_deviation", "run_bench", "run_policy",
+           "speedup_over", "stable", "summarise"]
 
 OnStep = Callable[[int, int], None]
 # How a run's model and optimizer are made from the policy: Precision.setup by default;
@@ -122,6 +122,7 @@ class PolicyRun:
     """One policy's model, optimizer and measurements in this process, run in stretches.
 
     Example:
+        >>> from ampkit.bench.policies import parse_policy
         >>> run = PolicyRun(parse_policy("32-true", "cpu"), BenchSettings(model="mlp", warmup=1))
         >>> run.warm_up(); len(run.run(2))
         2

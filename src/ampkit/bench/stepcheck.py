@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..diagnose import watch
-from .runner import Precision, train_step
+from .precision import Precision, train_step
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Warn = Callable[[str], None]
@@ -49,7 +49,7 @@ class StepCheck:
         warn: called with one sentence per epoch that had a non-finite step.
 
     Example:
-        >>> from ampkit.bench.runner import parse_policy
+        >>> from ampkit.bench.policies import parse_policy
         >>> prec = Precision(parse_policy("bf16-mixed", "cpu"), torch.device("cpu"))
         >>> model, opt = prec.setup(nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1))
         >>> check = StepCheck(model, opt, prec, nn.functional.cross_entropy, "bf16-mixed", print)

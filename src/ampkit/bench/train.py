@@ -28,8 +28,8 @@ from torch import nn
 
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import DATASETS, Dataset, load_data
-from .runner import (PolicySpec, Precision, adam_eps, adamw_factory, parse_policy,
-                     loss_scaling_label)
+from .policies import PolicySpec, loss_scaling_label, parse_policy
+from .precision import Precision, adam_eps, adamw_factory
 from .stepcheck import StepCheck, Warn
 from .errors import UsageError
 from .workloads import (call_user_function, classification_loss, make_cnn,

@@ -67,7 +67,7 @@ def resolve_policy_name(name: Optional[str], device: str) -> str:
         >>> resolve_policy_name("O2", "cpu"), resolve_policy_name(None, "cpu")
         ('O2-bf16', 'bf16-mixed')
     """
-    from ..bench.runner import parse_policy
+    from ..bench.policies import parse_policy
     from ..diagnose.inspection import default_policy
     from ..policy import OPT_LEVELS
 

@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train a classifier under one policy, printing one line per epoch."""
     from ..bench import report
-    from ..bench.runner import parse_policy
+    from ..bench.policies import parse_policy
     from ..bench.train import TrainSettings, train
 
     device = check_device(args.device)

@@ -179,7 +179,7 @@ def resolve_policy(policy: Union[str, Policy, None],
                         f"{type(policy).__name__} {policy!r}")
     if policy.strip().partition("-")[0] == "fp8":
         # The meaning of the fp8 names (which base policy) is decided once, by the bench.
-        from ..bench.runner import parse_policy  # late: the bench is heavy to import
+        from ..bench.policies import parse_policy  # late: the bench is heavy to import
 
         spec = parse_policy(policy, device_type)
         return spec.label, spec.policy, spec.fp8_recipe
