@@ -38,6 +38,7 @@ from torch import Tensor, nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from ampkit._torch_compat import dynamo_reset  # noqa: E402
+from ampkit.bench import measure as harness  # noqa: E402
 from ampkit.fp8 import Float8Config, convert_to_fp8  # noqa: E402
 from ampkit.fp8.linear import fp8_mm  # noqa: E402
 from ampkit.fp8.scaling import E4M3, quantize  # noqa: E402
@@ -66,14 +67,15 @@ REFERENCE = "bf16+compile"
 # --- timing ------------------------------------------------------------------------------
 
 class Timer:
-    """Median time of a step and the peak memory while it ran (CUDA events on CUDA)."""
+    """Median time of a step and the peak memory while it ran: ampkit's bench harness
+    (``ampkit.bench.measure.time_steps``: CUDA events on CUDA, one sync at the end)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        harness.synchronize(self.device)
 
     def measure(self, step: Callable[[], object], warmup: int, iters: int) -> dict:
         for _ in range(warmup):
@@ -81,21 +83,9 @@ class Timer:
         self.sync()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        times = [self._one(step) for _ in range(iters)]
+        times = harness.time_steps(step, self.device, iters)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
         return {"ms": statistics.median(times), "ms_min": min(times), "peak_gib": peak}
-
-    def _one(self, step: Callable[[], object]) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            step()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        step()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
 
 
 def free_memory() -> None:

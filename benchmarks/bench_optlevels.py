@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ampkit import frontend
 from ampkit._dtypes import autocast_default_dtype, resolve_dtype
+from ampkit.bench import measure as harness
 from ampkit.bench.report import environment
 from ampkit.bench.workloads import Batch, Workload, classification_loss, get_workload
 
@@ -114,23 +115,6 @@ def _stepper(mode: str, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: C
     return ampkit_step
 
 
-def _timer(device_type: str) -> Callable[[Callable[[], Tensor]], tuple[Tensor, Any]]:
-    if device_type == "cuda":
-        def cuda_time(fn: Callable[[], Tensor]) -> tuple[Tensor, Any]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            loss = fn()
-            end.record()
-            return loss, (start, end)  # read after one synchronize at the end
-        return cuda_time
-
-    def cpu_time(fn: Callable[[], Tensor]) -> tuple[Tensor, Any]:
-        begin = time.perf_counter()
-        loss = fn()
-        return loss, (time.perf_counter() - begin) * 1e3
-    return cpu_time
-
-
 def measure(workload: Workload, mode: str, device: str, half: torch.dtype, warmup: int,
             steps: int, total: int) -> dict[str, Any]:
     """Train ``total`` steps in one mode, timing steps ``warmup .. warmup + steps``."""
@@ -146,18 +130,18 @@ def measure(workload: Workload, mode: str, device: str, half: torch.dtype, warmu
     if device_type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    timer, timed, losses = _timer(device_type), [], []
+    # ampkit's bench harness: CUDA events per step and one host sync, after the loop.
+    timer, losses = harness.StepTimer(torch.device(device), steps), []
     for i in range(max(total, warmup + steps)):
         batch = batches[i % len(batches)]
         if warmup <= i < warmup + steps:
-            loss, t = timer(lambda: step(batch))
-            timed.append(t)
+            timer.start(i - warmup)
+            loss = step(batch)
+            timer.stop(i - warmup)
         else:
             loss = step(batch)
         losses.append(loss.detach())  # read once at the end: no host sync per step here
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    times = [t if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in timed]
+    times = timer.times_ms()
     values = torch.stack(losses).float().tolist()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device_type == "cuda" else None
     return {"mode": mode, "step_ms": statistics.median(times), "peak_gib": peak,
