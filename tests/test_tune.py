@@ -79,3 +79,13 @@ def test_bad_arguments_raise_before_training(kwargs, error, match):
     x, y = _batch()
     with pytest.raises(error, match=match):
         ampkit.autotune(model, x, y, **kwargs)
+
+
+@pytest.mark.parametrize("inputs, error, match", [
+    (None, TypeError, r"inputs must be a tensor or a tuple holding tensors"),
+    ((), TypeError, r"inputs must be a tensor .* got tuple \(\)"),
+    (torch.empty(0, 16), ValueError, r"inputs hold no samples \(shape \(0, 16\)\)"),
+])
+def test_empty_inputs_raise_before_training(inputs, error, match):
+    with pytest.raises(error, match=match):
+        ampkit.autotune(_model(), inputs, None)

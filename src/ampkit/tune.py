@@ -120,6 +120,7 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
         >>> model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
     """
     names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device)
+    _check_inputs(inputs)
     device = device or next((p.device.type for p in model.parameters()), default_device_type())
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     batch = _to_device(inputs, device), _to_device(target, device)
@@ -156,6 +157,19 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
         except (TypeError, ValueError) as err:
             raise ValueError(f"unknown candidate {name!r}: {err}") from None
     return [_REFERENCE] + [n for n in names if n != _REFERENCE]
+
+
+def _check_inputs(inputs: Any) -> None:
+    items = [inputs] if isinstance(inputs, Tensor) else (
+        list(inputs) if isinstance(inputs, (list, tuple)) else [])
+    tensors = [t for t in items if isinstance(t, Tensor)]
+    if not tensors:
+        raise TypeError(f"inputs must be a tensor or a tuple holding tensors (the batch the "
+                        f"model is called with), got {type(inputs).__name__} {inputs!r:.80}")
+    empty = [tuple(t.shape) for t in tensors if t.numel() == 0]
+    if empty:
+        raise ValueError(f"inputs hold no samples (shape {empty[0]}); valid: a batch of at "
+                         "least one sample")
 
 
 class _Run:

@@ -70,21 +70,39 @@ def notes(r: dict[str, Any]) -> str:
 
 
 def render_bench_table(title: str, results: Sequence[dict[str, Any]], out: IO[str]) -> None:
-    """The bench table in at most 80 columns (rich wraps the notes and headers to fit)."""
-    render_narrow(title, BENCH_HEADERS, bench_rows(results), out, BENCH_LEFT)
+    """The bench table in at most 80 columns (rich wraps the notes and headers to fit),
+    with a caption when the intervals did not become stable."""
+    render_narrow(title, BENCH_HEADERS, bench_rows(results), out, BENCH_LEFT,
+                  caption=table_caption(results))
+
+
+def table_caption(results: Sequence[dict[str, Any]]) -> Optional[str]:
+    """"NOT stable ..." under the table when a speedup's interval is wider than ±5%."""
+    stab = stability(results)
+    if len(results) < 2 or stab["stable"]:
+        return None
+    if not stab["interleaved"]:
+        return "one policy after another: no intervals (see below)"
+    widest = stab["widest_half_width"]
+    return ("NOT stable: " + ("too few rounds for 95% intervals" if widest is None else
+            f"widest 95% interval ±{widest:.0%}, target ±{stab['target']:.0%}") +
+            " (see below)")
 
 
 def render_narrow(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
-                  out: IO[str], left: Sequence[int]) -> None:
+                  out: IO[str], left: Sequence[int], caption: Optional[str] = None) -> None:
     """A table in at most 80 columns: every column keeps its width but the last of
-    ``left`` (free text), which wraps. Plain text without rich."""
+    ``left`` (free text), which wraps; ``caption`` under it. Plain text without rich."""
     if not have_rich():
         render_table(title, headers, rows, out, left)
+        if caption:
+            out.write(caption + "\n")
         return
     from rich import box
     from rich.console import Console
     from rich.table import Table
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption=caption)
     for i, head in enumerate(headers):
         table.add_column(head, justify="left" if i in left else "right", no_wrap=i != left[-1],
                          min_width=max(len(row[i]) for row in rows) if i == 0 else None)
