@@ -1,14 +1,21 @@
-"""``ampkit bench --nproc N``: the command under torchrun, its JSON, a dead rank, bad values."""
+"""``ampkit bench --nproc N``: the command under torchrun, its JSON, a dead rank, bad values.
+
+The default tests run the command in this process (its ranks are torchrun's processes),
+which saves starting an interpreter; the slow ones run it as a user would.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -56,12 +63,32 @@ def run_ampkit(*args: str, cwd: Path, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Interrupt the body after ``seconds``: the command then stops torchrun and its ranks
+    (its own Ctrl-C path) and returns 130, which fails the test instead of hanging it."""
+    timer = threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def run_in_process(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    """``ampkit ARGV`` in this process (no interpreter to start), with a deadline."""
+    with deadline(180):
+        status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 @needs_two_cores
-def test_two_ranks_report_global_throughput_and_scaling(tmp_path):
+def test_two_ranks_report_global_throughput_and_scaling(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    proc = run_ampkit("bench", "--model", "mlp", "--policies", "32-true", "--nproc", "2",
-                      "--json", str(path), *TINY, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    status, out, err = run_in_process(capsys, "bench", "--model", "mlp", "--policies", "32-true",
+                                      "--nproc", "2", "--json", str(path), *TINY)
+    assert status == 0, err
     doc = json.loads(path.read_text())
     assert doc["nproc"] == 2 and doc["parallel"] == "ddp" and doc["backend"] == "gloo"
     (result,) = doc["results"]
@@ -74,17 +101,20 @@ def test_two_ranks_report_global_throughput_and_scaling(tmp_path):
     # Every rank trains on the same batches, so DDP's averaged gradient is the one-process
     # gradient and the loss curves agree.
     assert result["loss_dev_vs_1proc"] == pytest.approx(0, abs=1e-6)
-    assert "scaling efficiency" in proc.stdout and "2 ranks (DDP, gloo" in proc.stdout
+    assert "scaling efficiency" in out and "2 ranks (DDP, gloo" in out
 
 
 @needs_two_cores
-def test_a_rank_that_fails_is_named_on_one_line(tmp_path):
-    (tmp_path / "dying.py").write_text(textwrap.dedent(_DYING_MODEL))
-    proc = run_ampkit("bench", "--model", "dying:make", "--policies", "32-true", "--nproc", "2",
-                      *TINY, cwd=tmp_path)
-    assert proc.returncode == 1 and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
+def test_a_rank_that_fails_is_named_on_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "dying_on_rank1.py").write_text(textwrap.dedent(_DYING_MODEL))
+    monkeypatch.chdir(tmp_path)  # where the command (and its ranks) find the model
+    monkeypatch.delitem(sys.modules, "dying_on_rank1", raising=False)
+    status, out, err = run_in_process(capsys, "bench", "--model", "dying_on_rank1:make",
+                                      "--policies", "32-true", "--nproc", "2", *TINY)
+    monkeypatch.delitem(sys.modules, "dying_on_rank1", raising=False)
+    assert status == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert "rank 1 failed" in lines[0] and "rank one is out of luck" in lines[0]
 
 
