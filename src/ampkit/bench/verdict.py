@@ -191,10 +191,12 @@ def _workload_sentence(document: dict[str, Any]) -> str:
     settings, ref = document["settings"], document["results"][0]
     steps = len(ref.get("step_times_ms") or []) or settings["steps"]
     rounds = (document.get("stability") or {}).get("rounds")
-    how = (f"taking turns in {rounds} rounds" if rounds else "one policy after another")
+    how, speedup = ((f"taking turns in {rounds} rounds", "the median of per-round ratios, "
+                     "with its 95% interval") if rounds else
+                    ("one policy after another", "the ratio of median step times"))
     return (f"Workload: {document['workload']}; {steps} timed steps per policy, {how}, after "
-            f"{settings['warmup']} warm-up steps; speedup (the median of per-round ratios, "
-            f"with its 95% interval) and memory relative to {ref['policy']}.")
+            f"{settings['warmup']} warm-up steps; speedup ({speedup}) and memory relative to "
+            f"{ref['policy']}.")
 
 
 def _machine_sentences(document: dict[str, Any]) -> list[str]:
@@ -300,7 +302,7 @@ def _stability_sentence(document: dict[str, Any]) -> str:
     budget = settings.get("max_time") or 0
     hints = ["--threads 1" if (settings.get("threads") or 1) > 1 else None,
              "a quieter machine", f"more --steps or --max-time (was {budget:g} s)" if budget
-             else "--max-time 30 (more rounds until the intervals are stable)"]
+             else "--max-time 20 (more rounds until the intervals are stable)"]
     return (f"Timings NOT stable: after {stab['rounds']} rounds {reach} (target "
             f"±{stab['target']:.0%}); small differences mean nothing here. Try "
             f"{', '.join(h for h in hints if h)}.")
