@@ -48,7 +48,7 @@ from .errors import UsageError
 from .measure import paired_speedup
 from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
-from .runner import BenchSettings, PolicyRun, compare, max_loss_deviation, play_rounds
+from .runner import BenchSettings, PolicyRun, Setup, compare, max_loss_deviation, play_rounds
 
 __all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "run_parallel_bench",
            "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
@@ -330,9 +330,6 @@ def _run_rank(job: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         return _run_policies(specs, settings, setup, rank)
     finally:
         dist.destroy_process_group()
-
-
-Setup = Callable[[Precision, nn.Module, OptimizerFactory], tuple[nn.Module, torch.optim.Optimizer]]
 
 
 def _run_policies(specs: list[PolicySpec], settings: BenchSettings, setup: Setup,
