@@ -57,7 +57,7 @@ def test_autocast_defaults():
 
 @pytest.mark.parametrize("cap, recommended, candidates, bench", [
     (_dtypes.Capability("cuda:0", "H200", True, True, True), "bf16-mixed",
-     ("32-true", "bf16-mixed", "O2-bf16", "16-mixed", "O2-fp16"),
+     ("32-true", "bf16-mixed", "O2-bf16", "16-mixed", "O2-fp16", "fp8"),
      ("32-true", "16-mixed", "bf16-mixed", "O2", "fp8")),
     (_dtypes.Capability("cuda:0", "V100", False, True, False), "16-mixed",
      ("32-true", "16-mixed", "O2-fp16"), ("32-true", "16-mixed", "O2")),
@@ -78,5 +78,7 @@ def test_one_policy_table_answers_info_bench_and_autotune(monkeypatch, cap, reco
     assert recommend_policy(cap.device) == (table.recommended, table.reason)
     assert native_candidates(cap.device) == list(candidates)
     assert default_policies(cap.device) == ",".join(bench)
-    for name in candidates:
-        get_policy(name)
+    from ampkit.tune import fp8_recipe
+
+    for name in candidates:  # each a policy name, or an fp8 candidate autotune resolves
+        assert fp8_recipe(name) is not None or get_policy(name) is not None

@@ -89,3 +89,79 @@ def test_bad_arguments_raise_before_training(kwargs, error, match):
 def test_empty_inputs_raise_before_training(inputs, error, match):
     with pytest.raises(error, match=match):
         ampkit.autotune(_model(), inputs, None)
+
+
+# --- fp8, layer by layer -------------------------------------------------------------------
+def _fp8_model() -> nn.Module:
+    """Both Linears fp8-eligible (features multiples of 16)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _fake_timings(faster: set[str]):
+    """time_fp8_layers' answer for _fp8_model(): fp8 twice as fast in ``faster``, half as fast elsewhere."""
+    from ampkit.fp8.select import LayerTiming
+
+    def fake(model, inputs, *, recipe):
+        return [LayerTiming(name, 32, layer.in_features, layer.out_features,
+                            bf16_ms=1.0, fp8_ms=0.5 if name in faster else 2.0)
+                for name, layer in (("0", model[0]), ("2", model[2]))]
+    return fake
+
+
+def test_an_fp8_candidate_without_a_faster_layer_is_not_trained(monkeypatch):
+    monkeypatch.setattr("ampkit.tune.time_fp8_layers", _fake_timings(set()))
+    x, y = _batch()
+    result = ampkit.autotune(_fp8_model(), x, y, candidates=["fp8"], steps=4)
+    row = result.rows[1]
+    assert row["policy"] == "fp8" and row["step_ms"] is None and row["timed_steps"] == 0
+    assert not row["accepted"] and "no layer ran faster in fp8" in row["reason"]
+    assert row["fp8_modules"] == [] and [t["name"] for t in row["fp8_layers"]] == ["0", "2"]
+    assert result.policy == "32-true" and result.fp8_modules == []
+
+
+def test_an_fp8_candidate_converts_only_the_layers_measured_faster(monkeypatch):
+    monkeypatch.setattr("ampkit.tune.time_fp8_layers", _fake_timings({"2"}))
+    converted = []
+    real = ampkit.tune.convert_to_fp8
+
+    def spy(model, **kwargs):
+        out = real(model, **kwargs)
+        converted.append([n for n, m in out.named_modules() if type(m).__name__ == "Float8Linear"])
+        return out
+    monkeypatch.setattr("ampkit.tune.convert_to_fp8", spy)
+    x, y = _batch()
+    result = ampkit.autotune(_fp8_model(), x, y, candidates=["fp8-delayed"], steps=4)
+    row = result.rows[1]
+    assert converted == [["2"]]
+    assert row["fp8_modules"] == ["2"] and row["timed_steps"] == 2 and row["step_ms"] > 0
+    assert row["max_loss_dev"] is not None and row["max_loss_dev"] < 0.05  # emulated fp8 trains
+    # whatever the machine measured, the rule holds: fp8 only when faster than fp32
+    assert (result.policy == "fp8-delayed") == row["accepted"]
+    assert result.fp8_modules == (["2"] if row["accepted"] else [])
+
+
+def test_apply_of_an_fp8_choice_converts_exactly_its_modules():
+    from ampkit.fp8 import Float8Linear
+    from ampkit.tune import TuneResult
+
+    model = _fp8_model()
+    opt = torch.optim.AdamW(model.parameters())
+    TuneResult("fp8", rows=[], speedup=1.3, fp8_modules=["2"]).apply(model, opt)
+    assert type(model[0]) is nn.Linear and isinstance(model[2], Float8Linear)
+    assert model[2].config.recipe.value == "tensorwise"
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # bf16-mixed around it
+
+
+def test_choose_skips_rows_that_were_not_trained():
+    rows = [{"policy": "32-true", "step_ms": 2.0, "max_loss_dev": 0.0},
+            {"policy": "fp8", "step_ms": None, "max_loss_dev": None, "reason": "no layer"},
+            {"policy": "bf16-mixed", "step_ms": 1.0, "max_loss_dev": 0.001}]
+    assert choose(rows, 0.02) == ("bf16-mixed", 2.0)
+    assert rows[1]["accepted"] is False and rows[1]["reason"] == "no layer"
+
+
+def test_unknown_candidates_name_the_fp8_ones_too():
+    x, y = _batch()
+    with pytest.raises(ValueError, match="fp8-tensorwise"):
+        ampkit.autotune(_model(), x, y, candidates=["fp9"], steps=4)

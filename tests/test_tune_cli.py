@@ -47,7 +47,7 @@ def test_tune_candidates_and_threads(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--candidates", "bf17-mixed"], ["'bf17-mixed'", "valid:", "bf16-mixed"]),
-    (["--candidates", "fp8"], ["'fp8'", "valid:"]),
+    (["--candidates", "fp9"], ["'fp9'", "valid:", "fp8-rowwise"]),
     (["--candidates", ","], ["names no policy", "valid:"]),
     (["--steps", "2"], ["--steps", "at least 3"]),
     (["--max-loss-dev", "-1"], ["--max-loss-dev", "-1"]),

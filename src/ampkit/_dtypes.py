@@ -200,7 +200,8 @@ class DevicePolicies:
         device: the device they are for ("cpu", "cuda:0").
         recommended: the policy to use without measuring, and ``reason``, why.
         candidates: the policies the device runs natively, fp32 first (autotune's default
-            candidates, ``ampkit bench --policies auto``).
+            candidates, ``ampkit bench --policies auto``), "fp8" where there are fp8 tensor
+            cores (autotune: fp8 only in the layers measured faster; bench: every layer).
         bench: what ``ampkit bench`` compares by default: fp32, the device's half dtypes
             (on a CPU its autocast dtype even without hardware, to show what it costs), O2
             in the autocast dtype, and fp8 where there are fp8 tensor cores.
@@ -228,6 +229,8 @@ def device_policies(device: Optional[str] = None) -> DevicePolicies:
     recommended = _HALF_POLICIES[native[0]][0] if native else "32-true"
     reason = _REASONS[(kind, native[0])] if native else _NO_HALF
     candidates = ("32-true",) + tuple(p for name in native for p in _HALF_POLICIES[name])
+    if fp8_supported(cap.device):
+        candidates += ("fp8",)  # autotune converts only the layers measured faster in fp8
     if kind == "cuda":
         shown = ["16-mixed"] + (["bf16-mixed"] if cap.bf16 else []) + ["O2"]
         shown += ["fp8"] if fp8_supported(cap.device) else []

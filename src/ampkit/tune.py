@@ -6,6 +6,11 @@ batch, fp32 first, all in one run: the candidates take turns step by step (A B C
 candidate whose loss curve stays within ``max_loss_dev`` (relative) of fp32's, and never
 one measured slower than fp32 (then "32-true"). ``ampkit bench`` recommends by the same
 rule. The caller's model, its RNG state and autocast state are left as they were.
+
+fp8 is chosen layer by layer: an fp8 candidate ("fp8", "fp8-tensorwise", "fp8-delayed",
+"fp8-rowwise") first times every eligible Linear alone at the shape it sees, bf16 against
+fp8 (``ampkit.fp8.select``), and trains with only the layers where fp8 was faster
+converted (bf16 autocast around the rest); when no layer was, it is not trained.
 """
 
 from __future__ import annotations
@@ -24,10 +29,20 @@ from ._dtypes import default_device_type, device_policies
 from ._loss import default_loss
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
+from .fp8 import Recipe, convert_to_fp8
+from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import get_policy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _REFERENCE = "32-true"
+_FP8_COMPUTE = "bf16-mixed"  # what runs around the fp8 layers (and what they replace)
+FP8_CANDIDATES = {"fp8": Recipe.TENSORWISE.value,
+                  **{f"fp8-{recipe.value}": recipe.value for recipe in Recipe}}
+
+
+def fp8_recipe(name: str) -> Optional[str]:
+    """The convert_to_fp8 recipe of an fp8 candidate name, None for any other policy."""
+    return FP8_CANDIDATES.get(name.strip()) if isinstance(name, str) else None
 
 
 @dataclass
@@ -35,9 +50,10 @@ class TuneResult:
     """What :func:`autotune` measured and chose.
 
     Attributes:
-        policy: the chosen policy's name.
+        policy: the chosen policy's name (an fp8 choice: its candidate name, e.g. "fp8",
+            meaning bf16 autocast with ``fp8_modules`` in fp8).
         keep_fp32: module names kept in fp32 by the choice (none chosen this way yet).
-        fp8_modules: module names the choice runs in fp8.
+        fp8_modules: module names the choice runs in fp8 (measured faster there).
         rows: one dict per candidate: "policy", "step_ms" (median), "peak_mib" (CUDA's
             allocator; None on a CPU), "max_loss_dev", "accepted", "reason", and
             "timed_ms"/"timed_steps" (the sum and number of its timed steps).
@@ -57,8 +73,16 @@ class TuneResult:
 
     def apply(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
               ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        """Configure ``model`` (and ``optimizer``) as chosen, through ``ampkit.apply``."""
-        apply_policy(self.policy, model, optimizer,
+        """Configure ``model`` (and ``optimizer``) as chosen, through ``ampkit.apply``.
+
+        An fp8 choice converts exactly ``fp8_modules`` (``convert_to_fp8``) and applies
+        bf16-mixed; train it under ``ampkit.autocast(dtype=torch.bfloat16)``.
+        """
+        recipe = fp8_recipe(self.policy)
+        if recipe is not None:
+            chosen = set(self.fp8_modules)
+            convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
+        apply_policy(_FP8_COMPUTE if recipe is not None else self.policy, model, optimizer,
                      keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
         return model, optimizer
 
@@ -79,6 +103,9 @@ def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, fl
     for row in rows:
         if row is reference:
             row["accepted"], row["reason"] = True, "the fp32 reference"
+        elif row["step_ms"] is None:  # not trained (an fp8 candidate with no faster layer)
+            row["accepted"] = False
+            row["reason"] = row.get("reason") or "not measured"
         elif row["max_loss_dev"] is None or row["max_loss_dev"] > max_loss_dev:
             row["accepted"] = False
             row["reason"] = (f"loss moved {row['max_loss_dev']:.3g} from fp32's (more than "
@@ -109,8 +136,9 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
             a floating one, ``output.float().mean()`` without one.
         loss_fn: ``loss_fn(output, target)`` instead of the default.
         optimizer: a callable params -> optimizer (default AdamW, lr 1e-3).
-        candidates: policy names (default: :func:`native_candidates`); fp32 is always
-            measured first as the reference.
+        candidates: policy names (default: :func:`native_candidates`), and the fp8
+            names "fp8", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise" (fp8 layer by
+            layer where measured faster); fp32 is always measured first as the reference.
         max_loss_dev: the largest relative gap from fp32's loss curve a candidate may show.
         steps: training steps per candidate (the first two are warm-up, not timed).
         device: where to run (default: the model's device).
@@ -125,13 +153,23 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     batch = _to_device(inputs, device), _to_device(target, device)
     with _untouched_state():
-        runs = [_Run(name, model, make_opt, device) for name in names]
+        layers = {name: _fp8_layers(model, batch[0], device, name) for name in names
+                  if fp8_recipe(name) is not None}
+        runs = [_Run(name, model, make_opt, device, layers.get(name)) for name in names]
+        trained = [run for run in runs if run.trains]
         for step in range(steps):
-            for run in runs:  # interleaved: A B C A B C ...
+            for run in trained:  # interleaved: A B C A B C ...
                 run.step(batch, loss_fn, timed=step >= 2)
     rows = [run.row(runs[0].losses) for run in runs]
     chosen, speedup = choose(rows, max_loss_dev)
-    return TuneResult(chosen, rows, speedup)
+    chosen_run = next(run for run in runs if run.name == chosen)
+    return TuneResult(chosen, rows, speedup, fp8_modules=list(chosen_run.fp8_modules))
+
+
+def _fp8_layers(model: nn.Module, inputs: Any, device: str, name: str) -> list[LayerTiming]:
+    """Each eligible Linear timed alone at its shape, bf16 against fp8, on a copy of the model."""
+    probe = copy.deepcopy(model).to(device)
+    return time_fp8_layers(probe, inputs, recipe=fp8_recipe(name))
 
 
 def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optimizer: Any,
@@ -152,11 +190,27 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
         raise ValueError("candidates is empty; valid: policy names such as "
                          f"{', '.join(native_candidates(device))}")
     for name in names:
-        try:
-            get_policy(name)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"unknown candidate {name!r}: {err}") from None
+        check_candidate(name)
     return [_REFERENCE] + [n for n in names if n != _REFERENCE]
+
+
+def check_candidate(name: Any) -> str:
+    """``name`` if autotune can measure it: a policy name or an fp8 candidate name.
+
+    Raises ValueError naming the bad name and the valid ones.
+
+    Example:
+        >>> check_candidate("fp8-rowwise"), check_candidate("O2-bf16")
+        ('fp8-rowwise', 'O2-bf16')
+    """
+    if fp8_recipe(name) is not None:
+        return name
+    try:
+        get_policy(name)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"unknown candidate {name!r}: {err}; or an fp8 candidate: "
+                         f"{', '.join(FP8_CANDIDATES)}") from None
+    return name
 
 
 def _check_inputs(inputs: Any) -> None:
@@ -175,11 +229,21 @@ def _check_inputs(inputs: Any) -> None:
 class _Run:
     """One candidate: its own copy of the model, optimizer, scaler; its losses and times."""
 
-    def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str) -> None:
+    def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str,
+                 fp8_layers: Optional[list[LayerTiming]] = None) -> None:
         from .bench import measure  # the one timing and memory harness (bench imports tune)
 
         self.name = name
-        self.policy = get_policy(name)
+        recipe = fp8_recipe(name)
+        self.fp8_layers = fp8_layers
+        self.fp8_modules = faster_fp8_layers(fp8_layers or [])
+        self.trains = recipe is None or bool(self.fp8_modules)
+        self.policy = get_policy(_FP8_COMPUTE if recipe is not None else name)
+        self.device = device
+        self.losses: list[Tensor] = []
+        self.times: list[float] = []
+        if not self.trains:
+            return  # an fp8 candidate without a layer faster in fp8: nothing to train
         self.cuda = torch.device(device).type == "cuda"
         # CUDA: each candidate's own peak, though all share the process; a CPU's RSS cannot
         # be told apart between candidates in one process, so there it is not reported.
@@ -187,14 +251,15 @@ class _Run:
         self._measure = measure
         with self._tracked():
             self.model = copy.deepcopy(model).to(device)
+            if recipe is not None:
+                chosen = set(self.fp8_modules)
+                convert_to_fp8(self.model, recipe=recipe,
+                               module_filter=lambda _, fqn: fqn in chosen)
             self.optimizer = make_opt(self.model.parameters())
             apply_policy(self.policy, self.model, self.optimizer)
         self.scaler = loop_scaler(self.policy, device)
         self.autocast = autocast(device, dtype=self.policy.compute_dtype if self.policy.autocast
                                  else torch.float32, enabled=self.policy.autocast)
-        self.device = device
-        self.losses: list[Tensor] = []
-        self.times: list[float] = []
 
     def _tracked(self) -> Any:
         return self.memory.track() if self.memory is not None else contextlib.nullcontext()
@@ -221,6 +286,16 @@ class _Run:
         self.losses.append(loss.detach().float())
 
     def row(self, reference: list[Tensor]) -> dict[str, Any]:
+        extra = {} if self.fp8_layers is None else {
+            "fp8_modules": list(self.fp8_modules),
+            "fp8_layers": [timing.to_dict() for timing in self.fp8_layers]}
+        if not self.trains:
+            return {"policy": self.name, "step_ms": None, "peak_mib": None,
+                    "max_loss_dev": None, "accepted": False,
+                    "reason": ("no layer ran faster in fp8 than in bf16 at its shape here"
+                               if self.fp8_layers else "no fp8-eligible Linear (in and out "
+                               "features multiples of 16) ran in the forward"),
+                    "timed_ms": 0.0, "timed_steps": 0, **extra}
         ours = [float(v) for v in self.losses]
         ref = [float(v) for v in reference]
         finite = all(math.isfinite(v) for v in ours)
@@ -228,7 +303,7 @@ class _Run:
         peak = self.memory.peak_mib() if self.memory is not None else None
         return {"policy": self.name, "step_ms": statistics.median(self.times),
                 "peak_mib": peak, "max_loss_dev": dev, "accepted": False, "reason": "",
-                "timed_ms": sum(self.times), "timed_steps": len(self.times)}
+                "timed_ms": sum(self.times), "timed_steps": len(self.times), **extra}
 
 
 def _to_device(value: Any, device: str) -> Any:
@@ -252,4 +327,5 @@ class _untouched_state:  # noqa: N801 - used as a context manager
             torch.cuda.set_rng_state_all(self.cuda)
 
 
-__all__ = ["autotune", "TuneResult", "choose", "native_candidates"]
+__all__ = ["autotune", "TuneResult", "check_candidate", "choose", "fp8_recipe",
+           "native_candidates"]

@@ -49,20 +49,22 @@ def add_parser(sub: Any) -> None:
 
 
 def check_candidates(text: Optional[str], device: str) -> list[str]:
-    """The candidate names, each one ``get_policy`` takes; UsageError before any training."""
-    from ..policy import get_policy, preset_names
+    """The candidate names, each one autotune takes; UsageError before any training."""
+    from ..policy import preset_names
+    from ..tune import FP8_CANDIDATES, check_candidate
 
     if text is None:
         return list(device_policies(device).candidates)
     names = [n.strip() for n in (text.split(";") if ";" in text else text.split(","))]
     names = [n for n in names if n]
-    valid = f"{', '.join(preset_names())}, O1-O3 with -bf16/-fp16, or 'p=f32,c=bf16,o=f32'"
+    valid = (f"{', '.join(preset_names())}, O1-O3 with -bf16/-fp16, "
+             f"{', '.join(FP8_CANDIDATES)}, or 'p=f32,c=bf16,o=f32'")
     if not names:
         raise UsageError(f"--candidates {text!r} names no policy; valid: {valid}")
     for name in names:
         try:
-            get_policy(name)
-        except (TypeError, ValueError):
+            check_candidate(name)
+        except ValueError:
             raise UsageError(f"unknown candidate {name!r} in --candidates; valid: {valid}") from None
     return names
 
@@ -122,9 +124,11 @@ def run(args: argparse.Namespace) -> int:
 def tune_rows(result: Any) -> list[list[str]]:
     """One table row per candidate of a TuneResult."""
     reference = result.rows[0]["step_ms"]
-    return [[r["policy"], f"{r['step_ms']:.3g}", f"{reference / r['step_ms']:.2f}×",
+    return [[r["policy"], "-" if r["step_ms"] is None else f"{r['step_ms']:.3g}",
+             "-" if r["step_ms"] is None else f"{reference / r['step_ms']:.2f}×",
              "-" if r["peak_mib"] is None else f"{r['peak_mib']:.3g}",
-             "non-finite" if r["max_loss_dev"] is None else f"{r['max_loss_dev'] * 100:.2g}%",
+             "-" if r["step_ms"] is None else "non-finite" if r["max_loss_dev"] is None
+             else f"{r['max_loss_dev'] * 100:.2g}%",
              ("chosen: " if r["policy"] == result.policy else "yes: " if r["accepted"] else "no: ")
              + r["reason"]] for r in result.rows]
 
@@ -136,6 +140,9 @@ def choice_sentence(result: Any, max_loss_dev: float) -> str:
         return (f"Chosen: {result.policy}: no candidate was faster than fp32 within the "
                 f"{tolerance} loss tolerance on this device; train in plain fp32.")
     row = next(r for r in result.rows if r["policy"] == result.policy)
-    return (f"Chosen: {result.policy}: {result.speedup:.2f}× the speed of fp32, loss within "
+    layers = (f" (fp8 in {len(result.fp8_modules)} layer(s) measured faster there: "
+              f"{', '.join(result.fp8_modules[:4])}{', ...' if len(result.fp8_modules) > 4 else ''})"
+              if result.fp8_modules else "")
+    return (f"Chosen: {result.policy}{layers}: {result.speedup:.2f}× the speed of fp32, loss within "
             f"{row['max_loss_dev'] * 100:.2g}% of fp32's (tolerance {tolerance}); in code: "
             f"ampkit.autotune(...).apply(model, optimizer).")
