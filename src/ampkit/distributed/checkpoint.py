@@ -6,6 +6,13 @@ what an exact resume needs: the model's and the optimizer's sharded state (throu
 torch's ``get_state_dict``/``set_state_dict``, which key the optimizer state by
 parameter name, so it loads into a freshly built optimizer) and the GradScaler's scale
 and counters (Python numbers, the same on every rank).
+
+An optimizer with ampkit's fp32 masters (O2) steps the masters, not the model's
+parameters, which torch's ``get_state_dict`` cannot map to names; for it TrainState keys
+the optimizer state by the model's parameter names itself (master -> model parameter
+through ``MasterWeights``), and saves the model's fp32 state dict (the masters' values).
+That path serves unsharded models (plain or DDP, whose replicas every rank holds whole);
+``shard`` needs no masters (FSDP2's fp32 shards are the masters).
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..apply import is_sharded
+from ..master import MasterWeights
+from ..optim import master_weights_of, stash_of
 from ..scaler import GradScaler
 
 
@@ -48,8 +58,11 @@ class TrainState:
         """{"model": ..., "optimizer": ..., "scaler": ...}: sharded tensors and numbers."""
         from torch.distributed.checkpoint import state_dict as dcp_state
 
+        masters = self._masters()
         if self.optimizer is None:
             state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(self.model)}
+        elif masters is not None:
+            state = _master_state(self.model, self.optimizer, masters)
         else:
             model_sd, optim_sd = dcp_state.get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
@@ -61,10 +74,123 @@ class TrainState:
         """Load what :meth:`state_dict` saved, in place (DCP calls it after reading)."""
         from torch.distributed.checkpoint import state_dict as dcp_state
 
+        masters = self._masters()
         if self.optimizer is None:
             dcp_state.set_model_state_dict(self.model, state["model"])
+        elif masters is not None:
+            _load_master_state(self.model, self.optimizer, masters, state)
         else:
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                      optim_state_dict=state["optimizer"])
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
+
+    def _masters(self) -> Optional[MasterWeights]:
+        if self.optimizer is None or is_sharded(self.model):
+            return None
+        return master_weights_of(self.optimizer)
+
+
+# --- optimizers that step fp32 masters (O2) ----------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module DDP (or DataParallel) wraps: its names carry no ``module.`` prefix."""
+    wrapped = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrapped) else model
+
+
+def _copy(value: Any) -> Any:
+    # DCP loads into the tensors state_dict() returned, in place: copies keep the live
+    # model and optimizer unchanged until load_state_dict has checked everything.
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _names(module: nn.Module, optimizer: torch.optim.Optimizer,
+           masters: MasterWeights) -> list[str]:
+    """The model parameter name of each parameter the optimizer steps, in its order."""
+    model_param = {id(m): p for p, m in zip(masters.model_params, masters.master_params)}
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    names = []
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        name = name_of.get(id(model_param.get(id(p), p)))
+        if name is None:
+            raise ValueError(f"TrainState: the optimizer steps a parameter of shape "
+                             f"{tuple(p.shape)} that is not one of the model's (nor the master "
+                             "of one); valid: an optimizer over this model's parameters")
+        names.append(name)
+    return names
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state (a step with zero grads at lr 0), so DCP has
+    tensors to load into; torch's get_state_dict does the same for its optimizers."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+    try:
+        stash = stash_of(optimizer)
+        # The masters' own step: ampkit's wrapper would copy masters -> model (a no-op
+        # here, but a step of the model's parameters all the same).
+        (stash.inner_step if stash is not None else optimizer.step)()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
+def _master_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  masters: MasterWeights) -> dict[str, Any]:
+    """{"model": fp32 state dict, "optimizer": {"state", "param_groups"} keyed by name}."""
+    module = _unwrap(model)
+    names = _names(module, optimizer, masters)
+    _init_optimizer_state(optimizer)
+    osd = optimizer.state_dict()  # state keyed by the params' positions in param_groups
+    state = {names[i]: {k: _copy(v) for k, v in entry.items()} for i, entry in osd["state"].items()}
+    groups = [dict(group, params=[names[i] for i in group["params"]]) for group in osd["param_groups"]]
+    return {"model": {k: _copy(v) for k, v in module.state_dict().items()},
+            "optimizer": {"state": state, "param_groups": groups}}
+
+
+def _load_master_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       masters: MasterWeights, state: dict[str, Any]) -> None:
+    """Load what :func:`_master_state` saved, once every entry has been checked."""
+    module = _unwrap(model)
+    names = _names(module, optimizer, masters)
+    expected = _master_state_keys(module, optimizer, names)
+    saved = state["optimizer"]
+    _check_keys("model state", list(state["model"]), expected[0])
+    _check_keys("optimizer state", list(saved["state"]), expected[1])
+    groups = [group["params"] for group in saved["param_groups"]]
+    mine = [group["params"] for group in optimizer.state_dict()["param_groups"]]
+    if groups != [[names[i] for i in g] for g in mine]:
+        raise ValueError(f"TrainState: the checkpoint's optimizer param groups {groups} are not "
+                         f"this optimizer's; valid: {[[names[i] for i in g] for g in mine]}")
+    position = {name: i for i, name in enumerate(names)}
+    module.load_state_dict(state["model"])  # the fp32 values, into the masters too
+    optimizer.load_state_dict({
+        "state": {position[name]: entry for name, entry in saved["state"].items()},
+        "param_groups": [dict(group, params=[position[n] for n in group["params"]])
+                         for group in saved["param_groups"]]})
+
+
+def _master_state_keys(module: nn.Module, optimizer: torch.optim.Optimizer,
+                       names: list[str]) -> tuple[list[str], list[str]]:
+    """The model state's keys and the names of the params the optimizer holds state for."""
+    _init_optimizer_state(optimizer)
+    return list(module.state_dict()), [names[i] for i in optimizer.state_dict()["state"]]
+
+
+def _check_keys(what: str, found: list[str], expected: list[str]) -> None:
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    if missing or unexpected:
+        problem = " and ".join(([f"lacks {missing[:3]}"] if missing else []) +
+                               ([f"has unexpected keys {unexpected[:3]}"] if unexpected else []))
+        raise ValueError(f"TrainState: the checkpoint's {what} {problem}; valid: the "
+                         f"{len(expected)} keys of this run's ({', '.join(expected[:3])}, ...)")
