@@ -338,3 +338,22 @@ def test_every_policy_ends_within_one_point_of_fp32_on_digits():
     reference = accuracy.pop("32-true")
     assert reference > 0.94
     assert {p: a for p, a in accuracy.items() if abs(a - reference) > 0.01} == {}, (reference, accuracy)
+
+
+def test_bench_counts_each_policys_flops_by_the_dtype_they_ran_in():
+    """The low-precision FLOP share (issue 12): from the ops that ran, not from the policy name."""
+    settings = BenchSettings(model="mlp", steps=1, warmup=1)
+    fp32 = run_policy(parse_policy("32-true", "cpu"), settings)
+    bf16 = run_policy(parse_policy("bf16-mixed", "cpu"), settings)
+    # 10-100-10 MLP, batch 100: forward 2*100*(10*100 + 100*10), backward twice that
+    # (the first layer's input gradient is not computed: the input needs none).
+    assert set(fp32["flops"]) == {"float32"} and fp32["low_precision_share"] == 0.0
+    assert set(bf16["flops"]) == {"bfloat16"} and bf16["low_precision_share"] == 1.0
+    assert fp32["flops"]["float32"] == bf16["flops"]["bfloat16"] == 2 * 100 * 2000 * 3 - 2 * 100 * 1000
+    assert "100% of FLOPs <fp32" in report_notes(bf16) and "FLOPs" not in report_notes(fp32)
+
+
+def report_notes(result):
+    from ampkit.bench.verdict import notes
+
+    return notes(result)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .._torch_compat import dynamo_reset
+from ..diagnose.flops import FlopCounter, low_precision_share
 from ..tune import choose
 from .errors import UsageError
 from .measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
@@ -145,6 +146,7 @@ class PolicyRun:
         self.times: list[float] = []
         self.round_ms: list[float] = []
         self.warmup_ms: Optional[float] = None
+        self.flops: Optional[dict[str, int]] = None
 
     def _step(self) -> None:
         inputs, targets = self.batches[len(self.losses) % len(self.batches)]
@@ -152,14 +154,23 @@ class PolicyRun:
                                       self.optimizer, self.precision))
 
     def warm_up(self) -> None:
-        """The untimed steps, timed together (compilation, lazy initialisation)."""
+        """The untimed steps, timed together (compilation, lazy initialisation).
+
+        Without --compile the last one also counts the step's matmul/convolution FLOPs by
+        the dtype they ran in (``diagnose.flops``): the policy's low-precision share.
+        """
         if not self.settings.warmup:
             return
         with self.memory.track():
             synchronize(self.device)
             start = time.perf_counter()
-            for _ in range(self.settings.warmup):
-                self._step()
+            for i in range(self.settings.warmup):
+                if i == self.settings.warmup - 1 and not self.settings.compile:
+                    with FlopCounter() as counter:
+                        self._step()
+                    self.flops = counter.flops
+                else:
+                    self._step()
             synchronize(self.device)
             self.warmup_ms = (time.perf_counter() - start) * 1e3
 
@@ -182,7 +193,9 @@ class PolicyRun:
         result = summarise(self.spec, self.settings, self.workload, self.precision, self.times,
                            losses, self.warmup_ms)
         result.update(peak_mem_mib=self.memory.peak_mib(), memory_method=self.memory.method,
-                      round_ms=self.round_ms)
+                      round_ms=self.round_ms, flops=self.flops,
+                      low_precision_share=(None if not self.flops
+                                           else low_precision_share(self.flops)))
         del self.model, self.optimizer, self.precision, self.batches, self.losses
         gc.collect()
         if self.device.type == "cuda":

@@ -52,7 +52,8 @@ def bench_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def notes(r: dict[str, Any]) -> str:
-    """Half dtype, loss scaling, skipped steps, fp8 layers, compile time, optimizer eps."""
+    """Half dtype, loss scaling, skipped steps, fp8 layers, the share of the matmul and
+    convolution FLOPs that ran below fp32, compile time, optimizer eps."""
     out = []
     if r["half_dtype"] is not None:
         out.append(_HALF_NAMES[r["half_dtype"]])
@@ -62,6 +63,9 @@ def notes(r: dict[str, Any]) -> str:
         out.append(f"{r['skipped_steps']} skipped")
     if r["fp8_recipe"] is not None:
         out.append(f"{r['fp8_layers']} fp8 layers")
+    share = r.get("low_precision_share")
+    if share is not None and not r.get("pure_fp32"):
+        out.append(f"{share:.0%} of FLOPs <fp32")
     if r["compile_s"] is not None:
         out.append(f"compile {r['compile_s']:.1f}s")
     if r.get("adam_eps", 1e-8) != 1e-8:
