@@ -1,4 +1,4 @@
-"""The ``ampkit`` command: ``bench`` compares precisions, ``train`` trains, ``info`` tells.
+"""The ``ampkit`` command: bench, train, info, doctor, tune.
 
 One module per subcommand (``info``, ``bench``, ``train``, ...), each with
 ``add_parser(sub)`` and ``run(args) -> exit status``; ``_common`` holds what they share.
@@ -23,7 +23,8 @@ def build_parser() -> Parser:
     """The ``ampkit`` argument parser with its subcommands."""
     parser = Parser(prog="ampkit", description="Automatic mixed precision for PyTorch: "
                     "compare precisions (bench), train with one (train), see what this "
-                    "machine runs natively (info).")
+                    "machine runs natively (info), find the module a precision hurts "
+                    "(doctor), choose a precision by measuring (tune).")
     parser.add_argument("--version", action="version", version=f"ampkit {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
     for command in _COMMANDS:
