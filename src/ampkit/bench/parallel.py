@@ -50,7 +50,8 @@ from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
 from .runner import BenchSettings, PolicyRun, Setup, compare, max_loss_deviation, play_rounds
 
-__all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "run_parallel_bench",
+__all__ = ["Parallel", "ParallelPlan", "RankError", "check_plan", "launch_ranks",
+           "run_parallel_bench", "write_rank_error",
            "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
 
 _PG_TIMEOUT = datetime.timedelta(minutes=60)  # the baseline runs while the others wait
@@ -178,20 +179,35 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
             json.dump({"policies": [s.label for s in specs], "settings": asdict(settings),
                        "parallel": plan.parallel.value, "backend": plan.backend,
                        "folder": folder}, out)
-        status, log = _launch(job, plan.nproc, threads, folder)
-        results_path = os.path.join(folder, _RESULTS)
-        if status != 0 or not os.path.exists(results_path):
-            if os.environ.get("AMPKIT_DEBUG"):
-                sys.stderr.write(log)
-            raise RankError(_failure(folder, log, status))
-        with open(results_path) as src:
+        launch_ranks(__name__, job, plan.nproc, threads, folder, os.path.join(folder, _RESULTS))
+        with open(os.path.join(folder, _RESULTS)) as src:
             return compare(json.load(src))
 
 
-def _launch(job: str, nproc: int, threads: int, folder: str) -> tuple[int, str]:
+def launch_ranks(module: str, job: str, nproc: int, threads: int, folder: str, result: str,
+                 poll: Optional[Callable[[], None]] = None) -> None:
+    """``python -m module JOB`` on N ranks under torchrun, until it ends.
+
+    Args:
+        module: the ranks' entry point; a rank that fails calls :func:`write_rank_error`
+            with ``folder`` before it exits. result: the file rank 0 writes at the end.
+        poll: called about twice a second while the ranks run (the parent showing progress).
+
+    Raises:
+        RankError: torchrun failed or ``result`` is missing; names the rank that failed first.
+    """
+    status, log = _launch(module, job, nproc, threads, folder, poll)
+    if status != 0 or not os.path.exists(result):
+        if os.environ.get("AMPKIT_DEBUG"):
+            sys.stderr.write(log)
+        raise RankError(_failure(folder, log, status))
+
+
+def _launch(module: str, job: str, nproc: int, threads: int, folder: str,
+            poll: Optional[Callable[[], None]]) -> tuple[int, str]:
     """torchrun with N ranks; its exit status and everything it and the ranks printed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", __name__, job]
+           f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, job]
     env = _rank_env(threads)
     with open(os.path.join(folder, "torchrun.log"), "w+") as log:
         # Its own session, so a Ctrl-C reaches this process alone, which then stops
@@ -199,12 +215,25 @@ def _launch(job: str, nproc: int, threads: int, folder: str) -> tuple[int, str]:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
         try:
-            status = child.wait()
+            status = _wait(child, poll)
         except BaseException:
             _stop(child)
             raise
         log.seek(0)
         return status, log.read()
+
+
+def _wait(child: subprocess.Popen, poll: Optional[Callable[[], None]]) -> int:
+    if poll is None:
+        return child.wait()
+    while True:
+        try:
+            status = child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            poll()
+            continue
+        poll()
+        return status
 
 
 def _stop(child: subprocess.Popen) -> None:
@@ -296,7 +325,7 @@ def _rank_main(job_path: str) -> int:
     try:
         results = _run_rank(job, rank)
     except BaseException as err:
-        _write_error(job["folder"], rank, err)
+        write_rank_error(job["folder"], rank, err)
         raise
     if rank == 0:
         tmp = os.path.join(job["folder"], _RESULTS + ".tmp")
@@ -306,7 +335,8 @@ def _rank_main(job_path: str) -> int:
     return 0
 
 
-def _write_error(folder: str, rank: int, err: BaseException) -> None:
+def write_rank_error(folder: str, rank: int, err: BaseException) -> None:
+    """Record a rank's error in ``folder``, for the parent's one line naming the rank."""
     message = " ".join(str(err).split())
     text = f"{type(err).__name__}: {message}" if message else type(err).__name__
     with open(os.path.join(folder, _ERROR.format(rank)), "w") as out:

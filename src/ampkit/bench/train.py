@@ -128,7 +128,8 @@ class Trainer:
         True
     """
 
-    def __init__(self, settings: TrainSettings, data: Dataset, warn: Optional[Warn] = None) -> None:
+    def __init__(self, settings: TrainSettings, data: Dataset, warn: Optional[Warn] = None,
+                 wrap: Optional[Callable[[nn.Module], nn.Module]] = None) -> None:
         self.settings = settings
         device = torch.device(settings.device)
         self.spec: PolicySpec = parse_policy(settings.policy, device.type)
@@ -136,6 +137,8 @@ class Trainer:
         self.precision = Precision(self.spec, device)
         self.model, self.optimizer = self.precision.setup(
             build_classifier(settings.model, data), adamw_factory(self.spec.policy, settings.lr))
+        if wrap is not None:  # after the policy (e.g. DDP, which must see O2's half params)
+            self.model = wrap(self.model)
         self.data = Dataset(data.name, *(t.to(device) for t in (data.train_x, data.train_y,
                             data.test_x, data.test_y)), num_classes=data.num_classes)
         self.history: list[dict[str, Any]] = []
@@ -147,12 +150,11 @@ class Trainer:
         """One pass over the training set in the (seed, epoch) order; the mean loss."""
         self.model.train()
         x, y = self.data.train_x, self.data.train_y
-        gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch)
-        order = torch.randperm(len(y), generator=gen).to(x.device)
+        order = self.epoch_order(epoch).to(x.device)
         size = self.settings.batch_size
         # Summed on the device; one host sync per epoch, not per step.
         total = torch.zeros((), device=x.device)
-        batches = math.ceil(len(y) / size)
+        batches = math.ceil(len(order) / size)
         self.check.begin_epoch(epoch, first_step=(epoch - 1) * batches + 1)
         for b in range(batches):
             idx = order[b * size:(b + 1) * size]
@@ -161,7 +163,13 @@ class Trainer:
             if on_batch is not None:
                 on_batch(b + 1, batches)
         self.epoch_steps = self.check.end_epoch()
-        return float(total.item()) / len(y)
+        return float(total.item()) / len(order)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The indices of the training samples this process trains on, in the (seed,
+        epoch) order: all of them here (a rank of ``train --nproc`` takes its share)."""
+        gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.data.train_y), generator=gen)
 
     @torch.no_grad()
     def evaluate(self, chunk: int = 1024) -> tuple[float, float]:
@@ -302,7 +310,11 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
             valid = " or ".join("None" if t is type(None) else t.__name__ for t in types)
             raise UsageError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
                              "--checkpoint writes it")
-    saved = state["settings"]
+    check_resume_settings(state["settings"], settings)
+
+
+def check_resume_settings(saved: dict[str, Any], settings: TrainSettings) -> None:
+    """UsageError unless a checkpoint's settings match this run's (epochs may grow)."""
     for key in _RESUME_KEYS:
         if saved.get(key) != getattr(settings, key):
             raise UsageError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
@@ -370,16 +382,22 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
         _resume(trainer, state, str(checkpoint))
     start = len(trainer.history)
     for epoch in range(start + 1, settings.epochs + 1):
-        record = _run_epoch(trainer, epoch, on_batch)
+        record = run_epoch(trainer, epoch, on_batch)
         trainer.history.append(record)
         if checkpoint:
             trainer.save(checkpoint)
         if on_epoch is not None:
             on_epoch(record)
+    return train_log(trainer, data, start if state is not None else None)
+
+
+def train_log(trainer: Trainer, data: Dataset, resumed_from: Optional[int]) -> dict[str, Any]:
+    """The log of a finished run (what :func:`train` returns)."""
+    settings = trainer.settings
     return {"settings": asdict(settings), "resolved_policy": str(trainer.spec.policy),
             "adam_eps": adam_eps(trainer.spec.policy),
             "loss_scaling": loss_scaling_label(trainer.spec.policy),
-            "data": data.describe(), "resumed_from_epoch": start if state is not None else None,
+            "data": data.describe(), "resumed_from_epoch": resumed_from,
             "epochs": trainer.history, "final": trainer.history[-1] if trainer.history else None,
             "loss_scale_timeline": loss_scale_timeline(trainer.history)}
 
@@ -408,7 +426,8 @@ def _resume(trainer: Trainer, state: dict[str, Any], path: str) -> None:
         raise UsageError(f"--resume: checkpoint {path!r}: {err}") from None
 
 
-def _run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory]) -> dict[str, Any]:
+def run_epoch(trainer: Trainer, epoch: int, on_batch: Optional[OnBatchFactory]) -> dict[str, Any]:
+    """Train one epoch and evaluate: the epoch's record (losses, accuracy, loss scale)."""
     started = time.perf_counter()
     label = f"epoch {epoch}/{trainer.settings.epochs}"
     train_loss = trainer.train_epoch(epoch, on_batch(label) if on_batch is not None else None)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from .._dtypes import recommend_policy
 from ._common import add_common, check_device, check_output_paths
+
+if TYPE_CHECKING:
+    from ..bench.parallel import ParallelPlan
 
 _TRAIN_HELP = """\
 Train a classifier with any policy or opt level, with test accuracy per epoch.
@@ -40,6 +43,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint (its "
                    "sha256 digest is checked; a checkpoint without one, written before "
                    "digests, is refused)")
+    p.add_argument("--nproc", type=int, metavar="N", help="train on N processes under torchrun "
+                   "with DDP, each on its share of the data (gloo on a CPU, nccl on GPUs); the "
+                   "checkpoint is then a torch.distributed.checkpoint folder")
 
 
 
@@ -52,25 +58,40 @@ def run(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     policy = args.opt_level or args.policy or recommend_policy(device)[0]
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
-    check_output_paths(json=args.json, checkpoint=args.checkpoint)
+    plan = _check_nproc(args.nproc, device)
+    check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
     settings = TrainSettings(model=args.model, data=args.data, data_dir=args.data_dir,
                              policy=policy, epochs=args.epochs, batch_size=args.batch_size,
                              lr=args.lr, seed=args.seed, device=device)
     out = sys.stderr if args.json == "-" else sys.stdout
     print(f"ampkit train: {settings.model} on {settings.data} with {policy} "
-          f"({spec.policy}) on {device}", file=out)
+          f"({spec.policy}) on {device}" + (f", {plan.nproc} ranks (DDP, {plan.backend})"
+                                              if plan else ""), file=out)
+    on_epoch = lambda record: print(_epoch_line(record, settings.epochs), file=out, flush=True)  # noqa: E731
+    on_warning = lambda message: print(f"ampkit train: warning: {message}", file=sys.stderr)  # noqa: E731
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
-    with report.Progress(enabled=show, keep_done=False) as progress:
-        log = train(settings, checkpoint=args.checkpoint, resume=args.resume,
-                    on_epoch=lambda record: print(_epoch_line(record, settings.epochs), file=out),
-                    on_batch=progress.task,
-                    on_warning=lambda message: print(f"ampkit train: warning: {message}",
-                                                     file=sys.stderr))
+    if plan is not None:
+        from ..bench.train_parallel import run_parallel_train
+
+        log = dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
+                                      resume=args.resume, on_epoch=on_epoch,
+                                      on_warning=on_warning), **plan.fields())
+    else:
+        with report.Progress(enabled=show, keep_done=False) as progress:
+            log = train(settings, checkpoint=args.checkpoint, resume=args.resume,
+                        on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning)
     _print_train_summary(log, out)
     if args.json:
         report.write_json(dict({"command": "train", "environment": report.environment(device)},
                                **log), args.json)
     return 0
+
+
+def _check_nproc(nproc: Optional[int], device: str) -> Optional[ParallelPlan]:
+    """The --nproc plan (None without it), checked before anything starts (exit 2)."""
+    from ..bench.parallel import check_plan
+
+    return check_plan(nproc, None, [], device)
 
 
 def _epoch_line(record: dict[str, Any], epochs: int) -> str:

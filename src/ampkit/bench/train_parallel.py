@@ -1,0 +1,295 @@
+"""``ampkit train --nproc N``: the same training on N processes under torchrun, with DDP.
+
+The command relaunches itself through ``bench.parallel.launch_ranks`` (``python -m
+torch.distributed.run --standalone --nproc-per-node N -m ampkit.bench.train_parallel JOB``;
+gloo on a CPU, nccl on CUDA with rank r on ``cuda:r``). Each rank builds the run's
+``Trainer`` with the model in DDP (the policy applied first, then the wrap) and trains on
+its share of each epoch's (seed, epoch) order: DistributedSampler's split (the order
+padded with its first samples to a multiple of N, then every N-th sample from the
+rank's offset), ``--batch-size`` samples per rank and step. Rank 0 reports each epoch's
+record (the train loss averaged over the ranks) to the parent through a file the parent
+polls, and writes the log at the end.
+
+Checkpoints are DCP directories (``torch.distributed.checkpoint``): model, optimizer and
+GradScaler through ``ampkit.distributed.TrainState``, each rank's RNG state, the fp8
+delayed-scaling state, and ``ampkit-train.json`` (settings, nproc, history: the epoch,
+which with the seed fixes the data order). Each save goes to ``DIR.tmp`` and is renamed
+to ``DIR`` once every rank has written its part, so a rank that dies mid-save leaves the
+previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..fp8 import fp8_state_dict, load_fp8_state_dict
+from .data import Dataset, load_data
+from .errors import UsageError
+from .parallel import ParallelPlan, launch_ranks, write_rank_error
+from .stepcheck import Warn
+from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
+                    train_log)
+
+__all__ = ["META", "check_checkpoint_dir", "read_meta", "run_parallel_train"]
+
+META = "ampkit-train.json"  # the run's settings, nproc and history, in the checkpoint
+_FORMAT = "ampkit-train-dcp-1"
+_RESULT, _EVENTS = "log.json", "events.jsonl"
+
+
+# --- the parent ---------------------------------------------------------------------------------
+def check_checkpoint_dir(path: str, resume: bool) -> None:
+    """UsageError unless ``path`` can hold a DCP checkpoint (and holds one to resume)."""
+    if os.path.isfile(path):
+        raise UsageError(f"--checkpoint {path!r} is a file; with --nproc a checkpoint is a "
+                         "folder (torch.distributed.checkpoint); valid: a folder path")
+    if resume:
+        read_meta(path)
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UsageError(f"--checkpoint {path!r} cannot be written ({err.strerror or err}); "
+                         "valid: a folder path in a folder you can write to") from None
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The run record of a DCP checkpoint that ``train --nproc`` wrote."""
+    _finish_replace(path)
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise UsageError(f"--resume: no ampkit train --nproc checkpoint at {path!r} (no {META}); "
+                         "valid: the --checkpoint folder of an earlier run with --nproc")
+    with open(meta_path) as src:
+        meta = json.load(src)
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise UsageError(f"--resume: {meta_path!r} is not in format {_FORMAT!r}; valid: a "
+                         "checkpoint that ampkit train --nproc wrote")
+    return meta
+
+
+def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
+                       checkpoint: Optional[str] = None, resume: bool = False,
+                       on_epoch: Optional[OnEpoch] = None,
+                       on_warning: Optional[Warn] = None) -> dict[str, Any]:
+    """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
+
+    Raises:
+        UsageError: before launching: ``--resume`` without a checkpoint of this run's
+            settings and nproc, or a checkpoint path that cannot be written.
+        RankError: a rank failed (the message names the first that did).
+    """
+    if resume and not checkpoint:
+        raise UsageError("--resume needs --checkpoint DIR (the checkpoint to continue)")
+    if checkpoint:
+        check_checkpoint_dir(checkpoint, resume)
+    if resume and checkpoint:
+        _check_resume(read_meta(checkpoint), settings, plan.nproc, checkpoint)
+    with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
+        job = os.path.join(folder, "job.json")
+        with open(job, "w") as out:
+            json.dump({"settings": asdict(settings), "backend": plan.backend, "folder": folder,
+                       "threads": plan.threads, "resume": resume,
+                       "checkpoint": os.path.abspath(checkpoint) if checkpoint else None}, out)
+        events = _EventReader(os.path.join(folder, _EVENTS), on_epoch, on_warning)
+        result = os.path.join(folder, _RESULT)
+        launch_ranks(__name__, job, plan.nproc, plan.threads, folder, result, poll=events.poll)
+        with open(result) as src:
+            return json.load(src)
+
+
+def _check_resume(meta: dict[str, Any], settings: TrainSettings, nproc: int, path: str) -> None:
+    try:
+        check_resume_settings(meta.get("settings", {}), settings)
+    except UsageError as err:
+        raise UsageError(f"--resume: checkpoint {path!r}: {err}") from None
+    if meta.get("nproc") != nproc:
+        raise UsageError(f"--resume: checkpoint {path!r} was written by {meta.get('nproc')} "
+                         f"ranks, this run has --nproc {nproc} (each rank's share of the data "
+                         f"depends on it); valid: --nproc {meta.get('nproc')}")
+
+
+class _EventReader:
+    """The parent's side of rank 0's events file: epoch records and warnings, as they come."""
+
+    def __init__(self, path: str, on_epoch: Optional[OnEpoch], on_warning: Optional[Warn]) -> None:
+        self.path, self.offset = path, 0
+        self.on_epoch, self.on_warning = on_epoch, on_warning
+
+    def poll(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as src:
+            src.seek(self.offset)
+            text = src.read()
+        complete = text[:text.rfind("\n") + 1]  # a line still being written waits
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            event = json.loads(line)
+            if "epoch" in event and self.on_epoch is not None:
+                self.on_epoch(event["epoch"])
+            elif "warning" in event and self.on_warning is not None:
+                self.on_warning(event["warning"])
+
+
+# --- a rank -------------------------------------------------------------------------------------
+class RankTrainer(Trainer):
+    """A rank's Trainer: the model in DDP, its share of each epoch, the loss over all ranks."""
+
+    def __init__(self, settings: TrainSettings, data: Dataset, warn: Warn, rank: int,
+                 world: int) -> None:
+        self.rank, self.world = rank, world
+        super().__init__(settings, data, warn, wrap=self._ddp)
+
+    def _ddp(self, model: nn.Module) -> nn.Module:
+        device = torch.device(self.settings.device)
+        ids = [device] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        order = super().epoch_order(epoch)
+        total = math.ceil(len(order) / self.world) * self.world
+        order = torch.cat([order, order[:total - len(order)]])  # DistributedSampler's padding
+        return order[self.rank:total:self.world]
+
+    def train_epoch(self, epoch: int, on_batch: Optional[Callable[[int, int], None]] = None) -> float:
+        """This rank's epoch; the mean loss over all ranks (every share has the same size)."""
+        import torch.distributed as dist
+
+        mine = super().train_epoch(epoch, on_batch)
+        total = torch.tensor([mine], dtype=torch.float64, device=self.data.train_x.device)
+        dist.all_reduce(total)
+        return float(total.item()) / self.world
+
+
+def _rank_main(job_path: str) -> int:
+    with open(job_path) as src:
+        job = json.load(src)
+    rank = int(os.environ["RANK"])
+    try:
+        log = _run_rank(job, rank)
+    except BaseException as err:
+        write_rank_error(job["folder"], rank, err)
+        raise
+    if rank == 0:
+        tmp = os.path.join(job["folder"], _RESULT + ".tmp")
+        with open(tmp, "w") as out:
+            json.dump(log, out)
+        os.replace(tmp, os.path.join(job["folder"], _RESULT))
+    return 0
+
+
+def _run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    settings = TrainSettings(**job["settings"])
+    torch.set_num_threads(job["threads"])
+    if torch.device(settings.device).type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        settings = dataclasses.replace(settings, device=f"cuda:{local}")
+    dist.init_process_group(job["backend"])
+    try:
+        return _train_rank(settings, job, rank, dist.get_world_size())
+    finally:
+        gc.collect()  # the DDP reducer goes before the process group
+        dist.destroy_process_group()
+
+
+def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
+                world: int) -> dict[str, Any]:
+    events = os.path.join(job["folder"], _EVENTS)
+    data = load_data(settings.data, settings.data_dir)
+    trainer = RankTrainer(settings, data, lambda message: _event(events, rank, "warning", message),
+                          rank, world)
+    checkpoint = job["checkpoint"]
+    start = _load(trainer, checkpoint) if job["resume"] else 0
+    for epoch in range(start + 1, settings.epochs + 1):
+        record = run_epoch(trainer, epoch, None)
+        trainer.history.append(record)
+        if checkpoint:
+            _save(trainer, checkpoint)
+        _event(events, rank, "epoch", record)
+    return train_log(trainer, data, start if job["resume"] else None)
+
+
+def _event(path: str, rank: int, kind: str, value: Any) -> None:
+    if rank == 0:  # the ranks agree on the records (the loss is reduced) and on skips
+        with open(path, "a") as out:
+            out.write(json.dumps({kind: value}) + "\n")
+
+
+# --- DCP checkpoints ----------------------------------------------------------------------------
+def _state(trainer: RankTrainer) -> dict[str, Any]:
+    """What DCP saves and loads in place: TrainState, fp8 state, this rank's RNG."""
+    from ..distributed import TrainState
+
+    return {"train": TrainState(trainer.model, trainer.optimizer, trainer.precision.scaler),
+            "fp8": fp8_state_dict(trainer.model.module),
+            f"rng.rank{trainer.rank}": torch.get_rng_state()}
+
+
+def _save(trainer: RankTrainer, path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path + ".tmp"
+    if trainer.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
+    dist.barrier()
+    dcp.save(_state(trainer), checkpoint_id=tmp)  # ends once every rank has written
+    if trainer.rank == 0:
+        meta = {"format": _FORMAT, "settings": asdict(trainer.settings), "nproc": trainer.world,
+                "history": trainer.history}
+        with open(os.path.join(tmp, META), "w") as out:
+            json.dump(meta, out)
+        _replace(tmp, path)
+    dist.barrier()
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Put the folder ``tmp`` at ``path``; the previous checkpoint goes only once it is there."""
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _finish_replace(path: str) -> None:
+    # A save killed between _replace's two renames left the previous checkpoint at .old.
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        os.replace(path + ".old", path)
+
+
+def _load(trainer: RankTrainer, path: str) -> int:
+    """Load the checkpoint into a freshly built rank; the number of epochs it holds."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)  # the parent checked its settings and nproc
+    state = _state(trainer)
+    dcp.load(state, checkpoint_id=path)  # TrainState.load_state_dict runs inside
+    load_fp8_state_dict(trainer.model.module, state["fp8"])
+    torch.set_rng_state(state[f"rng.rank{trainer.rank}"])
+    trainer.history = list(meta["history"])
+    return len(trainer.history)
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1]))
