@@ -1,0 +1,150 @@
+"""``ampkit train --nproc N``: DDP under torchrun, DCP checkpoints, exact resume, a dead rank.
+
+The bad values run in this process and must exit 2 before torchrun starts. The 2-rank
+runs (each 15-20 s on two busy cores, most of it starting torchrun and its ranks) run
+the command in this process too (its ranks are torchrun's processes) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampkit.cli.train as cli_train
+from ampkit.bench.parallel import usable_cores
+from ampkit.bench.train_parallel import META, read_meta
+from ampkit.cli import main
+
+needs_two_cores = pytest.mark.skipif(usable_cores() < 2, reason="--nproc 2 needs 2 CPU cores")
+RUN = ["train", "--model", "mlp", "--data", "synthetic", "--opt-level", "O2", "--quiet"]
+
+# Rank 1 kills itself at its 25th forward (epoch 2: an epoch is 16 steps per rank here, and
+# evaluation adds one forward); rank 0 and the parent never do.
+_DYING_MODEL = """\
+    import os
+    import signal
+
+    import torch
+
+
+    class Dying(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if os.environ.get("RANK") == "1" and self.calls == 25:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return self.body(x)
+
+
+    def make():
+        return Dying()
+"""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("launched torchrun for a bad value")
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def _usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    assert main([*RUN, *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nproc", "0"], ["--nproc 0", "valid: 1 to"]),
+    (["--nproc", "-1"], ["--nproc -1", "valid: 1 to"]),
+    (["--nproc", str(usable_cores() + 1)], [f"--nproc {usable_cores() + 1}", "CPU cores"]),
+    (["--nproc", "two"], ["'two'", "int"]),
+    (["--nproc", "1", "--resume"], ["--resume needs --checkpoint"]),
+])
+def test_bad_values_exit_2_before_launching(capsys, no_launch, argv, words):
+    line = _usage_error(capsys, *argv)
+    for word in words:
+        assert word in line, (word, line)
+
+
+def test_a_device_index_with_nproc_exits_2(capsys, no_launch, monkeypatch):
+    monkeypatch.setattr(cli_train, "check_device", lambda device: "cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    line = _usage_error(capsys, "--nproc", "2", "--device", "cuda:1")
+    assert "--device cuda:1 with --nproc" in line and "valid: --device cuda" in line
+
+
+def test_checkpoint_folders_are_checked_before_launching(capsys, no_launch, tmp_path):
+    a_file = tmp_path / "ckpt.pt"
+    a_file.write_text("")
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(a_file))
+    assert "is a file" in line and "valid: a folder path" in line
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(tmp_path / "none"), "--resume")
+    assert f"no ampkit train --nproc checkpoint at {str(tmp_path / 'none')!r}" in line
+    # A checkpoint of 2 ranks, or of another learning rate, is refused before launching.
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
+                "lr": 1e-3, "seed": 0}
+    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-1", "nproc": 2,
+                                           "settings": settings, "history": []}))
+    assert read_meta(str(folder))["nproc"] == 2
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder), "--resume")
+    assert "written by 2 ranks" in line and "valid: --nproc 2" in line
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder), "--resume",
+                        "--lr", "0.01")
+    assert "lr=0.001" in line and "lr=0.01" in line
+
+
+# --- two ranks -----------------------------------------------------------------------------------
+def _train(tmp_path: Path, name: str, *argv: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    assert main([*RUN, "--nproc", "2", "--json", str(out), *argv]) == 0
+    return json.loads(out.read_text())
+
+
+def _losses(log: dict) -> list[float]:
+    return [e["train_loss"] for e in log["epochs"]]
+
+
+@pytest.mark.slow
+@needs_two_cores
+def test_two_ranks_save_and_resume_bitwise(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    saved = _train(tmp_path, "saved", "--epochs", "2", "--checkpoint", ckpt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "saved.json"]  # no .tmp left
+    assert len(read_meta(ckpt)["history"]) == 2
+    assert saved["nproc"] == 2 and saved["backend"] == "gloo" and len(saved["epochs"]) == 2
+    out = capsys.readouterr().out
+    assert "2 ranks (DDP, gloo)" in out and "epoch   2/2  train loss" in out
+    resumed = _train(tmp_path, "resumed", "--epochs", "3", "--checkpoint", ckpt, "--resume")
+    assert resumed["resumed_from_epoch"] == 2
+    unbroken = _train(tmp_path, "unbroken", "--epochs", "3")
+    assert _losses(resumed) == _losses(unbroken)  # bitwise: floats compare exactly
+    assert resumed["final"]["test_loss"] == unbroken["final"]["test_loss"]
+
+
+@pytest.mark.slow
+@needs_two_cores
+def test_a_dead_rank_is_named_and_leaves_the_last_checkpoint_whole(tmp_path, capsys, monkeypatch):
+    (tmp_path / "dying_model.py").write_text(textwrap.dedent(_DYING_MODEL))
+    monkeypatch.chdir(tmp_path)  # the ranks import the model from the current folder
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["train", "--model", "dying_model:make", "--data", "synthetic", "--quiet",
+            "--nproc", "2", "--epochs", "3", "--batch-size", "64", "--checkpoint", ckpt]
+    assert main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["ampkit: rank 1 died: killed by SIGKILL"] or (
+        len(lines) == 1 and "rank 1 died" in lines[0]), lines
+    assert len(read_meta(ckpt)["history"]) == 1  # epoch 1's checkpoint, whole
