@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     """Train a classifier under one policy, printing one line per epoch."""
     from ..bench import report
     from ..bench.policies import parse_policy
-    from ..bench.train import TrainSettings, train
+    from ..bench.train import TrainSettings
 
     device = check_device(args.device)
     policy = args.opt_level or args.policy or recommend_policy(device)[0]
@@ -67,24 +67,36 @@ def run(args: argparse.Namespace) -> int:
     print(f"ampkit train: {settings.model} on {settings.data} with {policy} "
           f"({spec.policy}) on {device}" + (f", {plan.nproc} ranks (DDP, {plan.backend})"
                                               if plan else ""), file=out)
-    on_epoch = lambda record: print(_epoch_line(record, settings.epochs), file=out, flush=True)  # noqa: E731
-    on_warning = lambda message: print(f"ampkit train: warning: {message}", file=sys.stderr)  # noqa: E731
-    show = not args.quiet and sys.stdout.isatty() and args.json != "-"
-    if plan is not None:
-        from ..bench.train_parallel import run_parallel_train
-
-        log = dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
-                                      resume=args.resume, on_epoch=on_epoch,
-                                      on_warning=on_warning), **plan.fields())
-    else:
-        with report.Progress(enabled=show, keep_done=False) as progress:
-            log = train(settings, checkpoint=args.checkpoint, resume=args.resume,
-                        on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning)
+    log = _train(args, settings, plan, out)
     _print_train_summary(log, out)
     if args.json:
         report.write_json(dict({"command": "train", "environment": report.environment(device)},
                                **log), args.json)
     return 0
+
+
+def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan],
+           out: Any) -> dict[str, Any]:
+    """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun."""
+    from ..bench import report
+    from ..bench.train import train
+
+    def on_epoch(record: dict[str, Any]) -> None:
+        print(_epoch_line(record, settings.epochs), file=out, flush=True)
+
+    def on_warning(message: str) -> None:
+        print(f"ampkit train: warning: {message}", file=sys.stderr)
+
+    if plan is not None:
+        from ..bench.train_parallel import run_parallel_train
+
+        return dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
+                                       resume=args.resume, on_epoch=on_epoch,
+                                       on_warning=on_warning), **plan.fields())
+    show = not args.quiet and sys.stdout.isatty() and args.json != "-"
+    with report.Progress(enabled=show, keep_done=False) as progress:
+        return train(settings, checkpoint=args.checkpoint, resume=args.resume,
+                     on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning)
 
 
 def _check_nproc(nproc: Optional[int], device: str) -> Optional[ParallelPlan]:
