@@ -105,6 +105,7 @@ def test_two_ranks_report_global_throughput_and_scaling(tmp_path, capsys):
 
 
 @needs_two_cores
+@pytest.mark.slow  # a second launch of two ranks; CI's slow run keeps it
 def test_a_rank_that_fails_is_named_on_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "dying_on_rank1.py").write_text(textwrap.dedent(_DYING_MODEL))
     monkeypatch.chdir(tmp_path)  # where the command (and its ranks) find the model
