@@ -38,7 +38,7 @@ from torch import Tensor, nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from ampkit._torch_compat import dynamo_reset  # noqa: E402
-from ampkit.bench import measure as harness  # noqa: E402
+from ampkit import _measure as harness  # noqa: E402
 from ampkit.fp8 import Float8Config, convert_to_fp8  # noqa: E402
 from ampkit.fp8.linear import fp8_mm  # noqa: E402
 from ampkit.fp8.scaling import E4M3, quantize  # noqa: E402
@@ -68,7 +68,7 @@ REFERENCE = "bf16+compile"
 
 class Timer:
     """Median time of a step and the peak memory while it ran: ampkit's bench harness
-    (``ampkit.bench.measure.time_steps``: CUDA events on CUDA, one sync at the end)."""
+    (``ampkit._measure.time_steps``: CUDA events on CUDA, one sync at the end)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ampkit import frontend
 from ampkit._dtypes import autocast_default_dtype, resolve_dtype
-from ampkit.bench import measure as harness
+from ampkit import _measure as harness
 from ampkit.bench.report import environment
 from ampkit.bench.workloads import Batch, Workload, classification_loss, get_workload
 

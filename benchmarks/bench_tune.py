@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import ampkit
-from ampkit.bench import measure
+from ampkit import _measure as measure
 from ampkit.bench.report import environment
 from ampkit.bench.workloads import get_workload
 

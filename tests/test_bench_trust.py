@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ampkit._dtypes import device_policies
-from ampkit.bench import measure, recommend, verdict
+from ampkit import _measure as measure
+from ampkit.bench import recommend, verdict
 from ampkit.bench.runner import BenchSettings, play_rounds, stable
 from ampkit.cli import main
 

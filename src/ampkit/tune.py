@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ._dtypes import default_device_type, device_policies
 from ._loss import default_loss
+from ._measure import MemoryMeter, synchronize, time_steps
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from .fp8 import Recipe, convert_to_fp8
@@ -231,7 +232,6 @@ class _Run:
 
     def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str,
                  fp8_layers: Optional[list[LayerTiming]] = None) -> None:
-        from .bench import measure  # the one timing and memory harness (bench imports tune)
 
         self.name = name
         recipe = fp8_recipe(name)
@@ -247,8 +247,7 @@ class _Run:
         self.cuda = torch.device(device).type == "cuda"
         # CUDA: each candidate's own peak, though all share the process; a CPU's RSS cannot
         # be told apart between candidates in one process, so there it is not reported.
-        self.memory = measure.MemoryMeter(torch.device(device)) if self.cuda else None
-        self._measure = measure
+        self.memory = MemoryMeter(torch.device(device)) if self.cuda else None
         with self._tracked():
             self.model = copy.deepcopy(model).to(device)
             if recipe is not None:
@@ -267,9 +266,9 @@ class _Run:
     def step(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]],
              timed: bool) -> None:
         # Each step waits for the device before and after (the candidates take turns).
-        self._measure.synchronize(torch.device(self.device))
+        synchronize(torch.device(self.device))
         with self._tracked():
-            times = self._measure.time_steps(lambda: self._train(batch, loss_fn),
+            times = time_steps(lambda: self._train(batch, loss_fn),
                                              torch.device(self.device), 1)
         if timed:
             self.times += times

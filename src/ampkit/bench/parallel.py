@@ -45,7 +45,7 @@ from torch import nn
 
 from .._torch_compat import TORCH_VERSION
 from .errors import UsageError
-from .measure import paired_speedup
+from .._measure import paired_speedup
 from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
 from .runner import BenchSettings, PolicyRun, Setup, compare, max_loss_deviation, play_rounds

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
-from .measure import percentile
+from .._measure import percentile
 
 _MARKERS = "os^Dv<>Pp*"
 

@@ -27,7 +27,7 @@ from .._torch_compat import dynamo_reset
 from ..diagnose.flops import FlopCounter, low_precision_share
 from ..tune import choose
 from .errors import UsageError
-from .measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
+from .._measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
 from .policies import PolicySpec, loss_scaling_label
 from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, train_step

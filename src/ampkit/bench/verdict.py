@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import IO, Any, Optional, Sequence
 
-from .measure import STABLE_HALF_WIDTH, half_width
+from .._measure import STABLE_HALF_WIDTH, half_width
 from .report import have_rich, render_table
 from .runner import recommend
 

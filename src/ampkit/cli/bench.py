@@ -87,7 +87,8 @@ def default_policies(device: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the requested policies on one model and print/write the comparison."""
-    from ..bench import measure, parallel, plot, report, verdict
+    from .. import _measure as measure
+    from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
     from ..bench.runner import BenchSettings, run_bench
     from ..bench.workloads import get_workload

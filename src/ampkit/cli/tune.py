@@ -83,7 +83,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Tune the model, print the table and the choice, write the JSON."""
     from .. import autotune
-    from ..bench import measure, report, verdict
+    from .. import _measure as measure
+    from ..bench import report, verdict
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)
