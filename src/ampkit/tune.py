@@ -30,20 +30,24 @@ from ._loss import default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
-from .fp8 import Recipe, convert_to_fp8
+from .fp8 import convert_to_fp8
+from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import get_policy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _REFERENCE = "32-true"
-_FP8_COMPUTE = "bf16-mixed"  # what runs around the fp8 layers (and what they replace)
-FP8_CANDIDATES = {"fp8": Recipe.TENSORWISE.value,
-                  **{f"fp8-{recipe.value}": recipe.value for recipe in Recipe}}
+_FP8_COMPUTE = FP8_BASE_POLICY  # what runs around the fp8 layers (and what they replace)
+FP8_CANDIDATES = FP8_POLICY_NAMES
 
 
 def fp8_recipe(name: str) -> Optional[str]:
-    """The convert_to_fp8 recipe of an fp8 candidate name, None for any other policy."""
-    return FP8_CANDIDATES.get(name.strip()) if isinstance(name, str) else None
+    """The convert_to_fp8 recipe of an fp8 candidate name, None for any other policy
+    (and for a malformed fp8 name, which :func:`check_candidate` refuses)."""
+    try:
+        return fp8_policy_recipe(name)
+    except ValueError:
+        return None
 
 
 @dataclass

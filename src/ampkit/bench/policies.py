@@ -15,6 +15,7 @@ import torch
 
 from .._dtypes import HALF_DTYPES, autocast_default_dtype, device_policies, resolve_dtype
 from ..fp8 import Recipe
+from ..fp8.config import FP8_BASE_POLICY, fp8_policy_recipe
 from ..policy import OPT_LEVELS, Policy, get_policy, preset_names
 from .errors import UsageError
 
@@ -60,12 +61,12 @@ def parse_policy(name: str, device_type: str) -> PolicySpec:
     """Resolve one policy name for a device type; UsageError names the valid ones."""
     label = name.strip()
     base, _, suffix = label.partition("-")
-    if base == "fp8":
-        recipe = suffix or "tensorwise"
-        if recipe not in FP8_RECIPES:
-            raise UsageError(f"unknown fp8 recipe {recipe!r} in policy {label!r}; valid: "
-                             f"{', '.join(FP8_RECIPES)}")
-        return PolicySpec(label, get_policy("bf16-mixed"), recipe)
+    try:
+        recipe = fp8_policy_recipe(label)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if recipe is not None:
+        return PolicySpec(label, get_policy(FP8_BASE_POLICY), recipe)
     if base in OPT_LEVELS:
         return PolicySpec(label, _opt_level(base, suffix, label, device_type))
     try:

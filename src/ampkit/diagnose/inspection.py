@@ -33,7 +33,8 @@ from .._loss import default_loss
 from ..apply import apply_policy, check_models, make_scalers
 from ..autocast import autocast
 from ..convert import conversion_of
-from ..fp8 import Float8Config, Float8Linear, Recipe, convert_to_fp8
+from ..fp8 import Float8Config, Float8Linear, convert_to_fp8
+from ..fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from ..keep import kept_modules
 from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
@@ -43,7 +44,6 @@ from .nonfinite import watch
 from .report import ModuleStats, Report
 
 LossFn = Callable[[Any, Any], Tensor]
-FP8_POLICIES = tuple(f"fp8-{recipe.value}" for recipe in Recipe)
 
 
 class _Setup:
@@ -177,16 +177,13 @@ def resolve_policy(policy: Union[str, Policy, None],
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a name (str), a Policy or None, got "
                         f"{type(policy).__name__} {policy!r}")
-    if policy.strip().partition("-")[0] == "fp8":
-        # The meaning of the fp8 names (which base policy) is decided once, by the bench.
-        from ..bench.policies import parse_policy  # late: the bench is heavy to import
-
-        spec = parse_policy(policy, device_type)
-        return spec.label, spec.policy, spec.fp8_recipe
+    recipe = fp8_policy_recipe(policy)  # the meaning of the fp8 names: decided in fp8.config
+    if recipe is not None:
+        return policy.strip(), get_policy(FP8_BASE_POLICY), recipe
     try:
         return policy.strip(), get_policy(policy), None
     except ValueError as err:
-        raise ValueError(f"{err}; or an fp8 policy: {', '.join(FP8_POLICIES)}") from None
+        raise ValueError(f"{err}; or an fp8 policy: {', '.join(FP8_POLICY_NAMES)}") from None
 
 
 # --- the two passes ----------------------------------------------------------------------------

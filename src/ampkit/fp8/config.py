@@ -26,6 +26,34 @@ class Recipe(str, Enum):
     ROWWISE = "rowwise"
 
 
+# fp8 as a policy name (bench, train, doctor, autotune, diagnose.inspect): "fp8" or
+# "fp8-<recipe>" means the eligible Linear layers in fp8 with that recipe, under the
+# autocast policy below around them. Decided here, once.
+FP8_BASE_POLICY = "bf16-mixed"
+FP8_POLICY_NAMES = ("fp8",) + tuple(f"fp8-{recipe.value}" for recipe in Recipe)
+
+
+def fp8_policy_recipe(name: object) -> Optional[str]:
+    """The recipe an fp8 policy name asks for, None for a name that is not fp8.
+
+    Raises ValueError for "fp8-<unknown recipe>", naming the valid ones.
+
+    Example:
+        >>> fp8_policy_recipe("fp8"), fp8_policy_recipe("fp8-delayed"), fp8_policy_recipe("O2")
+        ('tensorwise', 'delayed', None)
+    """
+    if not isinstance(name, str):
+        return None
+    base, _, recipe = name.strip().partition("-")
+    if base != "fp8":
+        return None
+    recipe = recipe or Recipe.TENSORWISE.value
+    if recipe not in {r.value for r in Recipe}:
+        raise ValueError(f"unknown fp8 recipe {recipe!r} in policy {name.strip()!r}; valid: "
+                         f"{', '.join(r.value for r in Recipe)} ({', '.join(FP8_POLICY_NAMES)})")
+    return recipe
+
+
 class AmaxComputeAlgo(str, Enum):
     """How the delayed recipe turns an amax history into the amax it scales by."""
 
