@@ -134,3 +134,33 @@ def test_the_rerun_leaves_no_trace(hot, policy):
     assert all(p.grad is None for p in checked.model.parameters())
     if policy == "16-mixed":  # every step skipped: the statistics are those of the forwards
         assert math.isfinite(a["2.running_var"].sum().item())
+
+
+def test_under_ddp_the_rerun_bypasses_the_wrapper(hot, monkeypatch):
+    """A rank re-runs a non-finite step alone: through DDP, a collective would hang (and
+    names would read 'module.4'); the re-run goes through the module DDP wraps."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from _dist import free_ports
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1)[0]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    calls = []
+    try:
+        messages: list[str] = []
+        s = settings(hot, "16-true")
+        trainer = Trainer(s, load_data(s.data), messages.append,
+                          wrap=lambda m: DDP(m))
+        real_forward = DDP.forward
+        monkeypatch.setattr(DDP, "forward", lambda self, *a, **k: calls.append(1) or
+                            real_forward(self, *a, **k))
+        trainer.train_epoch(1)
+        del trainer
+    finally:
+        dist.destroy_process_group()
+    assert len(messages) == 1 and "output of module '4' (Linear)" in messages[0]
+    assert len(calls) == STEPS  # the steps went through DDP; the re-run did not

@@ -62,6 +62,11 @@ class StepCheck:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  precision: Precision, loss_fn: LossFn, policy: str, warn: Warn) -> None:
         self.model, self.optimizer, self.precision = model, optimizer, precision
+        # The re-run goes through the module DDP wraps: a collective in it (DDP's buffer
+        # broadcast, its gradient all-reduce) would hang, since a rank whose own loss went
+        # non-finite re-runs alone; and names are the model's own ("4", not "module.4").
+        self._plain = (model.module if isinstance(model, nn.parallel.DistributedDataParallel)
+                       else model)
         self._loss_fn, self._policy, self._warn = loss_fn, policy, warn
         self.scaled = precision.scaler.is_enabled()
         self._epoch = self._step = 0
@@ -139,9 +144,9 @@ class StepCheck:
         # An unscaled step's check runs inside the step's own autocast region, whose one
         # reusable object must not be entered twice.
         region = self.precision.autocast if backward_scale is not None else contextlib.nullcontext()
-        with _side_effects_undone(self.model, self.optimizer), watch(self.model) as watcher:
+        with _side_effects_undone(self._plain, self.optimizer), watch(self._plain) as watcher:
             with region, torch.set_grad_enabled(backward_scale is not None):
-                loss = self._loss_fn(self.model(inputs), targets)
+                loss = self._loss_fn(self._plain(inputs), targets)
             if backward_scale is not None:  # as GradScaler.scale does
                 (loss.float() * backward_scale).backward()
         first = watcher.first_nonfinite
@@ -160,7 +165,7 @@ class StepCheck:
                     "ampkit.diagnose.watch stayed finite (a random op such as dropout, or the "
                     "loss function itself); `ampkit doctor` compares every module with fp32")
         phase, name = first
-        module = self.model.get_submodule(name)
+        module = self._plain.get_submodule(name)
         shown = f"{name or '<model>'!r} ({type(module).__name__})"
         if _has_nonfinite_params(module):
             return (f"{where}: module {shown} already holds non-finite parameters, written "
