@@ -226,6 +226,17 @@ def _foreach() -> None:
     _check("foreach_add_", dst[0].tolist() == [2.0, 2.0], f"added into {dst}")
 
 
+def _unflatten() -> None:
+    flat = torch.arange(10.0)
+    views = tc.unflatten_dense_tensors(flat, [torch.zeros(2, 3, dtype=torch.bfloat16),
+                                              torch.zeros(4, dtype=torch.bfloat16)])
+    _check("unflatten_dense_tensors",
+           [(tuple(v.shape), v.dtype) for v in views] == [((2, 3), torch.float32), ((4,), torch.float32)]
+           and views[1].tolist() == [6.0, 7.0, 8.0, 9.0]
+           and views[0].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(),
+           f"views {views} of {flat} are not flat's, shaped like the tensors, back to back")
+
+
 def _sparse_values() -> None:
     grad = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([1.0, 2.0]), (2,),
                                    check_invariants=True)
@@ -376,6 +387,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
     "foreach_copy_": _foreach, "foreach_add_": _foreach, "sparse_values": _sparse_values,
+    "unflatten_dense_tensors": _unflatten,
     "OptState": _opt_state,
     "STEP_SUPPORTS_AMP_SCALING": _step_supports,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,

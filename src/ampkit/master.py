@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._dtypes import HALF_DTYPES
-from ._torch_compat import foreach_copy_
+from ._torch_compat import foreach_copy_, unflatten_dense_tensors
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -87,6 +87,9 @@ class MasterWeights:
         self.released = False
         # (model params, masters) per (device, dtype), built once for the foreach copies.
         self._copy_groups: Optional[list[tuple[list[Tensor], list[Tensor]]]] = None
+        # The move's buckets when every model param has a dense gradient (the usual step),
+        # built once: a step's move then costs O(buckets) host work, not O(params).
+        self._full_plan: Optional[_Plan] = None
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -104,7 +107,7 @@ class MasterWeights:
         self.master_params.append(master)
         self._master_of[id(param)] = master
         _register(param, master, self)
-        self._copy_groups = None
+        self._copy_groups = self._full_plan = None
         return master
 
     def owns(self, param: Tensor) -> bool:
@@ -125,7 +128,13 @@ class MasterWeights:
             if param.grad is not None]
         if not pending and unscale is None:
             return  # e.g. the step after scale_loss moved them
-        new = _to_fp32([param for param, _ in pending])
+        params = [param for param, _ in pending]
+        plan = None
+        if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
+            if self._full_plan is None:
+                self._full_plan = _plan(params)
+            plan = self._full_plan
+        new = _to_fp32(params, plan)
         if unscale is not None:
             unscale(new)
         with torch.no_grad():
@@ -183,28 +192,50 @@ _BUCKETS = 8
 _MIN_BUCKET = 1 << 16
 
 
-def _to_fp32(params: list[Tensor]) -> list[Tensor]:
-    """fp32 copies of the params' half gradients, which are freed (set to None).
+# (sparse gradient indices, [(device, [(bucket indices, bucket numel)])]): how a move
+# converts the gradients of a list of params.
+_Plan = tuple[list[int], list[tuple[torch.device, list[tuple[list[int], int]]]]]
 
-    Dense ones: one buffer and one foreach copy per bucket of a device (O(buckets) copies,
-    no Python or kernel per gradient); sparse ones one by one.
-    """
-    out: list[Optional[Tensor]] = [None] * len(params)
+
+def _plan(params: list[Tensor]) -> _Plan:
+    """Sparse gradients apart; dense ones per device, cut into buckets (see _buckets)."""
+    sparse: list[int] = []
     dense: dict[torch.device, list[int]] = defaultdict(list)
     for i, param in enumerate(params):
         if param.grad.is_sparse:
-            out[i], param.grad = param.grad.float(), None
+            sparse.append(i)
         else:
             dense[param.grad.device].append(i)
+    devices = []
     for device, indices in dense.items():
-        for bucket in _buckets(indices, [params[i].numel() for i in indices]):
+        numels = [params[i].numel() for i in indices]
+        size_of = dict(zip(indices, numels))
+        devices.append((device, [(bucket, sum(size_of[i] for i in bucket))
+                                 for bucket in _buckets(indices, numels)]))
+    return sparse, devices
+
+
+def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]:
+    """fp32 copies of the params' half gradients, which are freed (set to None).
+
+    Dense ones: one buffer, one call for its views and one foreach copy per bucket of a
+    device (O(buckets) copies, no kernel per gradient); sparse ones one by one. ``plan``:
+    ``_plan(params)``, when the caller has it already.
+    """
+    sparse, devices = plan if plan is not None else _plan(params)
+    out: list[Optional[Tensor]] = [None] * len(params)
+    for i in sparse:
+        out[i], params[i].grad = params[i].grad.float(), None
+    for device, buckets in devices:
+        for bucket, numel in buckets:
             grads = [params[i].grad for i in bucket]
-            sizes = [g.numel() for g in grads]
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            views = [part.view(g.shape) for g, part in zip(grads, flat.split(sizes))]
+            flat = torch.empty(numel, dtype=torch.float32, device=device)
+            views = unflatten_dense_tensors(flat, grads)
             foreach_copy_(views, grads)
             for i, view in zip(bucket, views):
-                out[i], params[i].grad = view, None
+                out[i] = view
+            for param in [params[i] for i in bucket]:
+                param.grad = None
     return out  # type: ignore[return-value]
 
 
