@@ -318,21 +318,31 @@ def scaling_sentence(plan: ParallelPlan, results: list[dict[str, Any]]) -> str:
 
 
 # --- a rank ----------------------------------------------------------------------------------
-def _rank_main(job_path: str) -> int:
+def rank_main(job_path: str, run: Callable[[dict[str, Any], int], Any], result_name: str) -> int:
+    """A rank's whole life under torchrun: read the job, ``run(job, rank)``, and report.
+
+    A rank that raises leaves its error for the parent (``write_rank_error``), which names
+    it on one line; rank 0 writes what ``run`` returned as ``result_name`` in the job's
+    folder, never half-written.
+    """
     with open(job_path) as src:
         job = json.load(src)
     rank = int(os.environ["RANK"])
     try:
-        results = _run_rank(job, rank)
+        result = run(job, rank)
     except BaseException as err:
         write_rank_error(job["folder"], rank, err)
         raise
     if rank == 0:
-        tmp = os.path.join(job["folder"], _RESULTS + ".tmp")
+        tmp = os.path.join(job["folder"], result_name + ".tmp")
         with open(tmp, "w") as out:
-            json.dump(results, out)
-        os.replace(tmp, os.path.join(job["folder"], _RESULTS))  # never half-written
+            json.dump(result, out)
+        os.replace(tmp, os.path.join(job["folder"], result_name))
     return 0
+
+
+def _rank_main(job_path: str) -> int:
+    return rank_main(job_path, _run_rank, _RESULTS)
 
 
 def write_rank_error(folder: str, rank: int, err: BaseException) -> None:

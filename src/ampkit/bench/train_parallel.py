@@ -37,7 +37,7 @@ from torch import nn
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import Dataset, load_data
 from .errors import UsageError
-from .parallel import ParallelPlan, launch_ranks, write_rank_error
+from .parallel import ParallelPlan, launch_ranks, rank_main
 from .stepcheck import Warn
 from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
                     train_log)
@@ -178,20 +178,7 @@ class RankTrainer(Trainer):
 
 
 def _rank_main(job_path: str) -> int:
-    with open(job_path) as src:
-        job = json.load(src)
-    rank = int(os.environ["RANK"])
-    try:
-        log = _run_rank(job, rank)
-    except BaseException as err:
-        write_rank_error(job["folder"], rank, err)
-        raise
-    if rank == 0:
-        tmp = os.path.join(job["folder"], _RESULT + ".tmp")
-        with open(tmp, "w") as out:
-            json.dump(log, out)
-        os.replace(tmp, os.path.join(job["folder"], _RESULT))
-    return 0
+    return rank_main(job_path, _run_rank, _RESULT)
 
 
 def _run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
