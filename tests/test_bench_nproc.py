@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ampkit._torch_compat import TORCH_VERSION
-from ampkit.bench.parallel import usable_cores
+from ampkit.bench.launch import usable_cores
 from ampkit.cli import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

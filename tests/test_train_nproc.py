@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ampkit.cli.train as cli_train
-from ampkit.bench.parallel import usable_cores
+from ampkit.bench.launch import usable_cores
 from ampkit.bench.train_parallel import META, read_meta
 from ampkit.cli import main
 

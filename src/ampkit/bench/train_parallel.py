@@ -1,6 +1,6 @@
 """``ampkit train --nproc N``: the same training on N processes under torchrun, with DDP.
 
-The command relaunches itself through ``bench.parallel.launch_ranks`` (``python -m
+The command relaunches itself through ``bench.launch.launch_ranks`` (``python -m
 torch.distributed.run --standalone --nproc-per-node N -m ampkit.bench.train_parallel JOB``;
 gloo on a CPU, nccl on CUDA with rank r on ``cuda:r``). Each rank builds the run's
 ``Trainer`` with the model in DDP (the policy applied first, then the wrap) and trains on
@@ -37,7 +37,8 @@ from torch import nn
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import Dataset, load_data
 from .errors import UsageError
-from .parallel import ParallelPlan, launch_ranks, rank_main
+from .launch import launch_ranks, rank_main
+from .parallel import ParallelPlan
 from .stepcheck import Warn
 from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
                     train_log)

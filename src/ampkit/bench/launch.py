@@ -1,0 +1,171 @@
+"""Launching N ranks under torchrun and hearing back from them: ``bench --nproc`` and
+``train --nproc`` share it.
+
+The parent runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+MODULE JOB`` in its own session (a Ctrl-C reaches the parent alone, which stops torchrun,
+and torchrun its ranks), with the cores shared out as threads and this very ampkit on the
+ranks' path. Each rank runs :func:`rank_main`: a rank that raises writes its error to a
+file before it exits, and rank 0 writes the result whole (a temporary file, then a
+rename). A failed run becomes one ``RankError`` naming the rank that failed first, from
+its file, or from torchrun's report when the rank died without Python's help.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["RankError", "launch_ranks", "rank_main", "usable_cores", "write_rank_error"]
+
+_ERROR = "error-rank{}.json"
+
+
+class RankError(RuntimeError):
+    """A rank of a multi-process run failed; the message names it and its error."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def launch_ranks(module: str, job: str, nproc: int, threads: int, folder: str, result: str,
+                 poll: Optional[Callable[[], None]] = None) -> None:
+    """``python -m module JOB`` on N ranks under torchrun, until it ends.
+
+    Args:
+        module: the ranks' entry point; a rank that fails calls :func:`write_rank_error`
+            with ``folder`` before it exits. result: the file rank 0 writes at the end.
+        poll: called about twice a second while the ranks run (the parent showing progress).
+
+    Raises:
+        RankError: torchrun failed or ``result`` is missing; names the rank that failed first.
+    """
+    status, log = _launch(module, job, nproc, threads, folder, poll)
+    if status != 0 or not os.path.exists(result):
+        if os.environ.get("AMPKIT_DEBUG"):
+            sys.stderr.write(log)
+        raise RankError(_failure(folder, log, status))
+
+
+def _launch(module: str, job: str, nproc: int, threads: int, folder: str,
+            poll: Optional[Callable[[], None]]) -> tuple[int, str]:
+    """torchrun with N ranks; its exit status and everything it and the ranks printed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, job]
+    env = _rank_env(threads)
+    with open(os.path.join(folder, "torchrun.log"), "w+") as log:
+        # Its own session, so a Ctrl-C reaches this process alone, which then stops
+        # torchrun, and torchrun its ranks.
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        try:
+            status = _wait(child, poll)
+        except BaseException:
+            _stop(child)
+            raise
+        log.seek(0)
+        return status, log.read()
+
+
+def _wait(child: subprocess.Popen, poll: Optional[Callable[[], None]]) -> int:
+    if poll is None:
+        return child.wait()
+    while True:
+        try:
+            status = child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            poll()
+            continue
+        poll()
+        return status
+
+
+def _stop(child: subprocess.Popen) -> None:
+    child.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
+    try:
+        child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _rank_env(threads: int) -> dict[str, str]:
+    # The ranks must import this very ampkit (however the parent found it), and a user
+    # model "package.module:function" from the current folder.
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    paths = [package_root, os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["OMP_NUM_THREADS"] = str(threads)  # torchrun would set 1 and warn about it
+    return env
+
+
+def _failure(folder: str, log: str, status: int) -> str:
+    """One line: the rank that failed first and its error, from its file or torchrun's log."""
+    errors = []
+    for name in os.listdir(folder):
+        if name.startswith("error-rank"):
+            with open(os.path.join(folder, name)) as src:
+                errors.append(json.load(src))
+    if errors:
+        first = min(errors, key=lambda e: e["time"])  # the others failed because it did
+        return f"rank {first['rank']} failed: {first['error']}"
+    # No error file: the rank died without Python's help (a signal, os._exit, the OOM killer);
+    # torchrun's report names the first that did under "Root Cause".
+    root = log[log.find("Root Cause"):] if "Root Cause" in log else ""
+    rank = re.search(r"\brank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    if rank and code:
+        return f"rank {rank.group(1)} died: {_exit_reason(int(code.group(1)))}"
+    last = (log.strip().splitlines() or ["no output"])[-1]
+    return f"torchrun exited with status {status}: {' '.join(last.split())}"
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def rank_main(job_path: str, run: Callable[[dict[str, Any], int], Any], result_name: str) -> int:
+    """A rank's whole life under torchrun: read the job, ``run(job, rank)``, and report.
+
+    A rank that raises leaves its error for the parent (``write_rank_error``), which names
+    it on one line; rank 0 writes what ``run`` returned as ``result_name`` in the job's
+    folder, never half-written.
+    """
+    with open(job_path) as src:
+        job = json.load(src)
+    rank = int(os.environ["RANK"])
+    try:
+        result = run(job, rank)
+    except BaseException as err:
+        write_rank_error(job["folder"], rank, err)
+        raise
+    if rank == 0:
+        tmp = os.path.join(job["folder"], result_name + ".tmp")
+        with open(tmp, "w") as out:
+            json.dump(result, out)
+        os.replace(tmp, os.path.join(job["folder"], result_name))
+    return 0
+
+
+def write_rank_error(folder: str, rank: int, err: BaseException) -> None:
+    """Record a rank's error in ``folder``, for the parent's one line naming the rank."""
+    message = " ".join(str(err).split())
+    text = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    with open(os.path.join(folder, _ERROR.format(rank)), "w") as out:
+        json.dump({"rank": rank, "error": text, "time": time.time()}, out)
