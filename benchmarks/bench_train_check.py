@@ -30,26 +30,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from ampkit.bench.data import load_data  # noqa: E402
-from ampkit.bench.precision import train_step  # noqa: E402
+from ampkit.bench.stepcheck import PlainStep  # noqa: E402
 from ampkit.bench.train import Trainer, TrainSettings  # noqa: E402
-from ampkit.bench.workloads import classification_loss  # noqa: E402
-
-
-class PlainStep:
-    """The StepCheck interface without the check: ``train_step`` as it was."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def begin_epoch(self, epoch: int, first_step: int) -> None:
-        pass
-
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t = self.trainer
-        return train_step(t.model, inputs, targets, classification_loss, t.optimizer, t.precision)
-
-    def end_epoch(self) -> dict[str, Any]:
-        return {}
 
 
 def measure(policy: str, rounds: int, epochs: int, data: Any) -> dict[str, Any]:

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from ampkit.bench.data import load_data
-from ampkit.bench.precision import train_step
+from ampkit.bench.stepcheck import PlainStep
 from ampkit.bench.train import (Trainer, TrainSettings, load_checkpoint, loss_scale_timeline,
                                 train)
-from ampkit.bench.workloads import classification_loss
 from ampkit.cli import main
 
 MODULE = "stepcheck_models_for_tests"
@@ -95,23 +94,6 @@ def test_a_healthy_run_warns_nothing_and_keeps_its_scale():
     assert messages == []
     assert log["loss_scale_timeline"] == {"changes": [[0, 65536.0]], "skipped_steps": []}
     assert log["epochs"][0]["nonfinite"] is None and log["epochs"][0]["nonfinite_steps"] == 0
-
-
-class PlainStep:
-    """The plain ``train_step``, as the trainer ran it before the check."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def begin_epoch(self, epoch: int, first_step: int) -> None:
-        pass
-
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        t = self.trainer
-        return train_step(t.model, inputs, targets, classification_loss, t.optimizer, t.precision)
-
-    def end_epoch(self) -> dict:
-        return {}
 
 
 @pytest.mark.parametrize("policy", ["16-mixed", "16-true"])

@@ -139,7 +139,8 @@ def _import_dynamo() -> None:
     _check("import_dynamo", "torch._dynamo" in sys.modules, "torch._dynamo not imported")
 
 
-def _dispatch_mode() -> None:
+def _ops_seen(fn) -> list:
+    """The aten ops a TorchDispatchMode sees while ``fn`` runs."""
     ops = []
 
     class Count(tc.TorchDispatchMode):
@@ -148,7 +149,12 @@ def _dispatch_mode() -> None:
             return func(*args, **(kwargs or {}))
 
     with Count():
-        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        fn()
+    return ops
+
+
+def _dispatch_mode() -> None:
+    ops = _ops_seen(lambda: torch.mm(torch.ones(2, 2), torch.ones(2, 2)))
     _check("TorchDispatchMode", torch.ops.aten.mm.default in ops, f"saw {ops}, not aten.mm")
 
 
@@ -169,15 +175,7 @@ def _eager_dispatch_mode() -> None:
 
 
 def _aten_to_copy() -> None:
-    ops = []
-
-    class Count(tc.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        torch.ones(2).to(torch.float16)
+    ops = _ops_seen(lambda: torch.ones(2).to(torch.float16))
     _check("aten_to_copy", tc.aten_to_copy in ops, f".to(float16) dispatched {ops}")
 
 

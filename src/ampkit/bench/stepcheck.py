@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..diagnose import watch
 from .precision import Precision, train_step
+from .workloads import classification_loss
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Warn = Callable[[str], None]
@@ -178,6 +179,25 @@ class StepCheck:
         return (f"{where}: the first non-finite value is a gradient of module {shown} in the "
                 f"backward pass{after} (routine while dynamic loss scaling settles; if it "
                 "repeats, lower the initial scale or train in bf16)")
+
+
+class PlainStep:
+    """StepCheck's interface without the check: ``train_step`` alone (what a Trainer ran
+    before the check; benchmarks/bench_train_check.py and the tests compare the two)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def begin_epoch(self, epoch: int, first_step: int) -> None:
+        pass
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        t = self.trainer
+        return train_step(t.model, inputs, targets, classification_loss, t.optimizer,
+                          t.precision)
+
+    def end_epoch(self) -> dict[str, Any]:
+        return {}
 
 
 def _has_nonfinite_params(module: nn.Module) -> bool:
