@@ -73,10 +73,11 @@ def cast_tree(obj: Any, dtype: torch.dtype,
     if isinstance(obj, torch.Tensor):
         wanted = obj.is_floating_point() if sources is None else obj.dtype in sources
         return obj.to(dtype) if wanted and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(cast_tree(v, dtype, sources) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_tree(v, dtype, sources) for v in obj)
+        cast = [cast_tree(v, dtype, sources) for v in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*cast)
+        return cast if type(obj) is list else type(obj)(cast)
     if isinstance(obj, dict):
         cast = {k: cast_tree(v, dtype, sources) for k, v in obj.items()}
         return cast if type(obj) is dict else _rebuild_mapping(obj, cast)

@@ -9,7 +9,6 @@ fp32 masters under master-weight policies). :func:`apply_policy` does both.
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 from ._checks import as_list, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
-from .autocast import autocast
+from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, master_of, release_masters
@@ -287,8 +286,7 @@ def _seed_masters(masters: MasterWeights, earlier: dict[int, Tensor]) -> None:
 
 
 def _forward_casts(policy: Policy, device_type: str, explicit_outputs: bool) -> ForwardCasts:
-    region = (functools.partial(autocast, device_type, policy.compute_dtype)
-              if policy.autocast else None)
+    region = region_factory(device_type, policy.compute_dtype) if policy.autocast else None
     return ForwardCasts(input_dtype=policy.input_dtype,
                         output_dtype=policy.cast_outputs_to(explicit_outputs),
                         autocast=region)

@@ -105,23 +105,35 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
     def __init__(self, device_type: Optional[str] = None,
                  dtype: Optional[Union[torch.dtype, str]] = None, enabled: bool = True,
                  cache_enabled: Optional[bool] = None) -> None:
-        _check_flags(enabled, cache_enabled)
-        self.device_type = _device_type(device_type)
+        # Each check is called only when its quick test fails: a region is built per step.
+        if enabled.__class__ is not bool or cache_enabled is not None:
+            _check_flags(enabled, cache_enabled)
+        device = _CHECKED_DEVICES.get(device_type) if device_type.__class__ is str else None
+        if device is None:
+            device = _device_type(device_type)
+        if dtype.__class__ is not torch.dtype or dtype not in _AUTOCAST_DTYPES:
+            dtype = self._resolve_dtype(dtype, device)
+        self._setup(device, dtype, enabled, cache_enabled)
+
+    def _setup(self, device_type: str, dtype: torch.dtype, enabled: bool = True,
+               cache_enabled: Optional[bool] = None) -> None:
+        """The state of a region for checked arguments (torch decides whether it is on)."""
+        self.device_type = device_type
         self.enabled = enabled
         self.cache_enabled = cache_enabled
-        self._enabled, self.fast_dtype = _torch_resolution(
-            self.device_type, self._resolve_dtype(dtype), enabled)
+        self._enabled, self.fast_dtype = _torch_resolution(device_type, dtype, enabled)
         self._cache_enabled = (is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
         self._delegate: Optional[_TorchAutocast] = None
 
-    def _resolve_dtype(self, dtype: Optional[Union[torch.dtype, str]]) -> torch.dtype:
+    @staticmethod
+    def _resolve_dtype(dtype: Optional[Union[torch.dtype, str]], device_type: str) -> torch.dtype:
         if dtype is not None:
             return resolve_dtype(dtype, allowed=_AUTOCAST_DTYPES, what="autocast dtype")
         active = _state.get_active()
-        if active is not None and active.device_type == self.device_type and active.half_dtype:
+        if active is not None and active.device_type == device_type and active.half_dtype:
             return active.half_dtype
-        return autocast_default_dtype(self.device_type)
+        return autocast_default_dtype(device_type)
 
     def __enter__(self) -> "autocast":
         device = self.device_type
@@ -186,7 +198,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         @functools.wraps(func)
         def decorated(*a: Any, **kw: Any) -> Any:
             # A fresh region per call, so recursive and concurrent calls nest correctly.
-            with autocast(*args):
+            with _Checked(*args):
                 return func(*a, **kw)
 
         return decorated  # type: ignore[return-value]
@@ -197,6 +209,33 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         device, dtype, enabled = (getattr(self, name, "?") for name in
                                   ("device_type", "fast_dtype", "enabled"))
         return f"ampkit.autocast(device_type={device!r}, dtype={dtype}, enabled={enabled})"
+
+
+class _Checked(autocast):
+    """``autocast(device_type, dtype, enabled, cache_enabled)`` for arguments checked
+    already (see :func:`region_factory`): the same region, without re-validating them."""
+
+    __init__ = autocast._setup  # (device_type, dtype, enabled=True, cache_enabled=None)
+
+
+def region_factory(device_type: Optional[str] = None,
+                   dtype: Optional[Union[torch.dtype, str]] = None) -> Callable[[], autocast]:
+    """A factory of fresh regions, each one ``autocast(device_type, dtype)``.
+
+    The arguments are checked and resolved once, here, as ``autocast`` would now (with
+    its errors); each region it makes then skips that work, which matters where one is
+    entered per forward (O1's model hook). Whether torch runs the region (with its
+    warning where it does not) and the cache flag are still decided per region, as for
+    ``autocast``.
+
+    Example:
+        >>> make = region_factory("cpu", torch.bfloat16)
+        >>> with make():
+        ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+        torch.bfloat16
+    """
+    device = _device_type(device_type)
+    return functools.partial(_Checked, device, autocast._resolve_dtype(dtype, device))
 
 
 def _check_flags(enabled: Any, cache_enabled: Any) -> None:

@@ -201,7 +201,7 @@ class _CastInputs:
         self.dtype = dtype
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype) if kwargs else kwargs
 
 
 class _CastOutputs:
@@ -209,6 +209,9 @@ class _CastOutputs:
         self.dtype = dtype
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if output.__class__ is Tensor:  # the usual output, cast without the tree walk
+            dtype = self.dtype
+            return output.to(dtype) if output.is_floating_point() and output.dtype != dtype else output
         return cast_floating(output, self.dtype)
 
 
@@ -228,7 +231,10 @@ class _Region:
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         region = self.factory()
         region.__enter__()
-        self._local.__dict__.setdefault("stack", []).append(region)
+        local = self._local.__dict__
+        if "stack" not in local:
+            local["stack"] = []
+        local["stack"].append(region)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         stack = self._local.__dict__.get("stack")
