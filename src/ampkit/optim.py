@@ -51,7 +51,7 @@ class AmpStash:
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
     # own_params' answer, with the param_groups layout it was computed for.
-    own_cache: Optional[tuple[tuple, list[Tensor]]] = None
+    own_cache: Optional[tuple[list, list[Tensor]]] = None
 
 
 def stash_of(optimizer: Any) -> Optional[AmpStash]:
@@ -70,7 +70,7 @@ def own_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     in ``.grad``). Cached per param_groups layout, so a loop pays O(groups), not O(params).
     """
     stash: AmpStash = getattr(optimizer, ATTR)
-    key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    key = [(id(g["params"]), len(g["params"])) for g in optimizer.param_groups]
     if stash.own_cache is None or stash.own_cache[0] != key:
         masters = set() if stash.masters is None else {id(m) for m in stash.masters.master_params}
         params = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in masters]

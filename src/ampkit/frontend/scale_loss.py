@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
@@ -21,10 +20,9 @@ from ..scaler import GradScaler, check_floor, unscale_grads_
 
 logger = logging.getLogger("ampkit")
 
-@contextlib.contextmanager
 def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
                model: Optional[nn.Module] = None, delay_unscale: bool = False,
-               delay_overflow_check: bool = False) -> Iterator[Tensor]:
+               delay_overflow_check: bool = False) -> ContextManager[Tensor]:
     """Yield ``loss.float() * scale``; on exit unscale the grads and check for overflow.
 
     On exit (unless ``delay_unscale``): each optimizer's gradients are unscaled (under O2
@@ -60,44 +58,72 @@ def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
         ...     scaled_loss.backward()
         >>> optimizer.step()  # doctest: +SKIP
     """
-    amp = require_initialized()
-    if not amp.enabled:
-        yield loss
-        return
-    opts = _check_scale_loss(loss, optimizers, loss_id, amp)
-    if amp.overflow_notes:
-        _report_overflows(amp)
-    delay_unscale = check_bool("delay_unscale", delay_unscale)
-    delay_overflow_check = check_bool("delay_overflow_check", delay_overflow_check)
-    scaling = amp.scaling
-    scaler = amp.scalers[loss_id]
-    scaled = scaler.scale(loss.float()) if scaling else loss.float()
-    held = [_set_aside(opt) for opt in opts]
-    try:
-        yield scaled
-    except BaseException:
-        for entry in held:
-            entry.restore()
-        raise
-    if not scaling:  # a fixed scale of 1.0: nothing to unscale or check
-        for opt, entry in zip(opts, held):
-            _take_grads(opt, entry, None, None, delay=True)
-        return
-    inv_scale = scaler.inverse_scale()
-    found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-    for opt, entry in zip(opts, held):
-        _take_grads(opt, entry, inv_scale, found_inf, delay=delay_unscale)
-    if delay_unscale:
-        for opt in opts:  # checked with the call that does not delay
-            _stash(opt).pending_found_inf = _or_flag(_stash(opt).pending_found_inf, found_inf)
-        return
-    for opt in opts:
-        stash = _stash(opt)
-        if stash.pending_found_inf is not None:
-            found_inf.add_(stash.pending_found_inf.to(found_inf.device))
-            stash.pending_found_inf = None
-    if amp.dynamic and not delay_overflow_check:
-        _update(amp, scaler, found_inf, opts, loss_id)
+    # A small class, not a @contextmanager generator: it runs every step, and the
+    # generator's machinery costs 9 Python calls per step where the class costs 4.
+    return _ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
+
+
+class _ScaleLoss:
+    """One ``with scale_loss(...)``: its arguments until entered, then what exit needs."""
+
+    __slots__ = ("loss", "optimizers", "loss_id", "delay_unscale", "delay_overflow_check",
+                 "amp", "opts", "stashes", "held")
+
+    def __init__(self, loss: Tensor, optimizers: OptimizerArg, loss_id: int,
+                 delay_unscale: bool, delay_overflow_check: bool) -> None:
+        self.loss, self.optimizers, self.loss_id = loss, optimizers, loss_id
+        self.delay_unscale, self.delay_overflow_check = delay_unscale, delay_overflow_check
+
+    def __enter__(self) -> Tensor:
+        amp = self.amp = require_initialized()
+        loss, loss_id = self.loss, self.loss_id
+        self.loss = None  # neither the loss nor its graph outlives the body through this object
+        self.held = None
+        if not amp.enabled:
+            return loss
+        self.opts, self.stashes = _check_scale_loss(loss, self.optimizers, loss_id, amp)
+        if amp.overflow_notes:
+            _report_overflows(amp)
+        if self.delay_unscale.__class__ is not bool:  # the checks' calls only for a non-bool
+            self.delay_unscale = check_bool("delay_unscale", self.delay_unscale)
+        if self.delay_overflow_check.__class__ is not bool:
+            self.delay_overflow_check = check_bool("delay_overflow_check",
+                                                   self.delay_overflow_check)
+        scaled = amp.scalers[loss_id].scale(loss.float()) if amp.scaling else loss.float()
+        self.held = [_set_aside(opt, stash) for opt, stash in zip(self.opts, self.stashes)]
+        return scaled
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        held = self.held
+        if held is None:  # disabled: the loss was yielded as it is
+            return False
+        self.held = None
+        if exc_type is not None:
+            for entry in held:
+                entry.restore()
+            return False
+        amp, stashes = self.amp, self.stashes
+        if not amp.scaling:  # a fixed scale of 1.0: nothing to unscale or check
+            for stash, entry in zip(stashes, held):
+                _take_grads(stash, entry, None, None, delay=True)
+            return False
+        scaler = amp.scalers[self.loss_id]
+        inv_scale = scaler.inverse_scale()
+        found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        delay_unscale = self.delay_unscale
+        for stash, entry in zip(stashes, held):
+            _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale)
+        if delay_unscale:
+            for stash in stashes:  # checked with the call that does not delay
+                stash.pending_found_inf = _or_flag(stash.pending_found_inf, found_inf)
+            return False
+        for stash in stashes:
+            if stash.pending_found_inf is not None:
+                found_inf.add_(stash.pending_found_inf.to(found_inf.device))
+                stash.pending_found_inf = None
+        if amp.dynamic and not self.delay_overflow_check:
+            _update(amp, scaler, found_inf, self.opts, stashes, self.loss_id)
+        return False
 
 
 @dataclass(eq=False)
@@ -123,14 +149,14 @@ class _Held:
         for param, grad in self.own_grads + self.half_grads:
             param.grad = grad
 
-    @torch.no_grad()
     def add_back(self, *, own: bool, half: bool) -> None:
         pairs = (self.own_grads if own else []) + (self.half_grads if half else [])
         if not pairs:
-            return
+            return  # the usual case (a zero_grad before the body)
         summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
         if summed:
-            foreach_add_([g for g, _ in summed], [old for _, old in summed])
+            with torch.no_grad():
+                foreach_add_([g for g, _ in summed], [old for _, old in summed])
         for param, old in pairs:
             if param.grad is None:
                 param.grad = old
@@ -140,8 +166,7 @@ class _Held:
             self.half_grads = []
 
 
-def _set_aside(optimizer: torch.optim.Optimizer) -> _Held:
-    stash = _stash(optimizer)
+def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash) -> _Held:
     own = own_params(optimizer)
     half = [] if stash.masters is None else stash.masters.model_params
     held = _Held(own, half, [(p, p.grad) for p in own if p.grad is not None],
@@ -151,9 +176,9 @@ def _set_aside(optimizer: torch.optim.Optimizer) -> _Held:
     return held
 
 
-def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Optional[Tensor],
+def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
                 found_inf: Optional[Tensor], delay: bool) -> None:
-    """After the body: unscale what its backward produced for ``optimizer`` (unless
+    """After the body: unscale what its backward produced for an optimizer (unless
     ``delay``), move the model's half grads into the fp32 masters, add back what was held.
 
     The half grads move on every exit, delayed or not, so micro-batches accumulate in fp32
@@ -161,7 +186,6 @@ def _take_grads(optimizer: torch.optim.Optimizer, held: _Held, inv_scale: Option
     its inf check is carried to the exit that does not delay. The optimizer's own (fp32)
     grads stay scaled until that exit, as in apex.
     """
-    stash = _stash(optimizer)
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
     # unscaled join after it.
     held.add_back(own=delay or not held.own_unscaled, half=True)
@@ -193,20 +217,16 @@ def _unscale_grads(own: list[Tensor], inv_scale: Tensor, found_inf: Tensor,
         unscale_grads_(grads, inv_scale, found_inf)
 
 
-def _stash(optimizer: torch.optim.Optimizer) -> AmpStash:
-    stash = stash_of(optimizer)
-    assert stash is not None  # _check_scale_loss let only prepared optimizers through
-    return stash
-
-
 def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
-            optimizers: list[torch.optim.Optimizer], loss_id: int) -> None:
+            optimizers: list[torch.optim.Optimizer], stashes: list[AmpStash], loss_id: int) -> None:
     scaler.update_from(found_inf)
-    if all(getattr(opt, STEP_SUPPORTS_AMP_SCALING, False) for opt in optimizers):
+    fused = True
+    for optimizer in optimizers:
+        fused = fused and getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False)
+    if fused:
         # Fused optimizers skip on the device: no host sync here, whatever the log level.
         # A listening logger gets the overflow later, from a copy already on the host.
-        for optimizer in optimizers:
-            stash = _stash(optimizer)
+        for stash in stashes:
             stash.found_inf = _or_flag(stash.found_inf, found_inf)
         if logger.isEnabledFor(amp.log_level):
             amp.overflow_notes.append(_OverflowNote.start(found_inf, _names(optimizers), loss_id))
@@ -221,8 +241,8 @@ def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
     check_floor(scaler, overflow)
     if not overflow:
         return
-    for optimizer in optimizers:
-        _stash(optimizer).skip_next = True
+    for stash in stashes:
+        stash.skip_next = True
     if new_scale is not None:
         new_scale._ampkit_host_copy = True  # type: ignore[attr-defined]
         logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
@@ -277,19 +297,29 @@ def require_initialized() -> _state.ActiveAmp:
     return amp
 
 
-def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any,
-                      amp: _state.ActiveAmp) -> list[torch.optim.Optimizer]:
+def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.ActiveAmp
+                      ) -> tuple[list[torch.optim.Optimizer], list[AmpStash]]:
+    """The optimizers as a list, and their stashes; raises on a bad argument."""
     if not isinstance(loss, Tensor):
         raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__} {loss!r}")
-    opts = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
-    for i, opt in enumerate(opts):
-        if is_orphan(opt):
-            raise RuntimeError(f"optimizers[{i}]: " + ORPHAN_MESSAGE.format(name=type(opt).__name__))
-        if stash_of(opt) is None:
+    if isinstance(optimizers, torch.optim.Optimizer):  # the usual call: one optimizer
+        opts = [optimizers]
+        stashes = [stash_of(optimizers)]
+    else:
+        opts = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+        stashes = [stash_of(opt) for opt in opts]
+    for i, (opt, stash) in enumerate(zip(opts, stashes)):
+        if stash is None:  # (an optimizer with a stash is never an orphan)
+            if is_orphan(opt):
+                raise RuntimeError(f"optimizers[{i}]: "
+                                   + ORPHAN_MESSAGE.format(name=type(opt).__name__))
             raise RuntimeError(f"optimizers[{i}] ({type(opt).__name__}) was not passed through "
                                "ampkit.initialize; valid: the optimizer(s) initialize returned")
     count = len(amp.scalers)
-    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < count:
+    # A plain int is checked without the ABC check's calls (bool's class is not int).
+    integral = loss_id.__class__ is int or (not isinstance(loss_id, bool)
+                                            and isinstance(loss_id, numbers.Integral))
+    if not integral or not 0 <= loss_id < count:
         raise ValueError(f"loss_id={loss_id!r} is out of range; valid: 0..{count - 1} "
                          f"(initialize had num_losses={count})")
-    return opts
+    return opts, stashes
