@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._dtypes import HALF_DTYPES
-from ._torch_compat import foreach_copy_, unflatten_dense_tensors
+from ._torch_compat import foreach_add_, foreach_copy_, unflatten_dense_tensors
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -137,17 +137,21 @@ class MasterWeights:
         new = _to_fp32(params, plan)
         if unscale is not None:
             unscale(new)
-        with torch.no_grad():
-            for (_, master), grad in zip(pending, new):
-                if master.grad is None:
-                    master.grad = grad
-                elif grad.is_sparse or master.grad.is_sparse:
-                    master.grad = master.grad + grad  # sparse tensors have no in-place add_
-                else:
-                    master.grad.add_(grad)
+        pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
+        adding = [(master, grad) for master, grad in pairs if master.grad is not None]
+        for master, grad in pairs:
+            if master.grad is None:
+                master.grad = grad  # the usual case: the last step consumed the masters' grads
+        if adding:  # several moves before one step (accumulation): one multi-tensor add
+            dense = [(m.grad, g) for m, g in adding if not (g.is_sparse or m.grad.is_sparse)]
+            with torch.no_grad():
+                if dense:
+                    foreach_add_([total for total, _ in dense], [grad for _, grad in dense])
+                for master, grad in adding:
+                    if grad.is_sparse or master.grad.is_sparse:
+                        master.grad = master.grad + grad  # sparse tensors have no in-place add_
 
     # --- parameters master -> model -------------------------------------------------------
-    @torch.no_grad()
     def copy_to_model(self) -> None:
         """Copy every master into its model parameter: one foreach copy per (device, dtype)."""
         if self.released:
@@ -159,8 +163,13 @@ class MasterWeights:
                 dst.append(param)
                 src.append(master)
             self._copy_groups = list(groups.values())
-        for dst, src in self._copy_groups:
-            foreach_copy_(dst, src)
+        grad_mode = torch.is_grad_enabled()  # off, as under torch.no_grad(), at half its cost
+        torch.set_grad_enabled(False)
+        try:
+            for dst, src in self._copy_groups:
+                foreach_copy_(dst, src)
+        finally:
+            torch.set_grad_enabled(grad_mode)
 
     def clear_master_grads(self) -> None:
         """Drop the master gradients (they are consumed by the step, as apex did)."""

@@ -467,7 +467,8 @@ class GradScaler:
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
-        found_inf = self._combined_found_inf(required=new_scale is None)
+        states = [s for s in self._per_optimizer_states.values() if "found_inf" in s]
+        found_inf = self._combined_found_inf(states, required=new_scale is None)
         if new_scale is not None:
             self._set_scale(new_scale)
             if found_inf is not None:
@@ -475,15 +476,20 @@ class GradScaler:
         else:
             # Every recorded found-inf was all-reduced already, in unscale_ or before a fused step.
             self._apply_update(found_inf, synced=True)
-        hosts = [s.get("found_host") for s in self._per_optimizer_states.values() if "found_inf" in s]
-        if hosts and None not in hosts:  # every optimizer was a plain one: known without a sync
+        hosts = [s.get("found_host") for s in states]
+        known = bool(hosts) and None not in hosts  # every optimizer plain: known without a sync
+        if known:
             self._last_skipped_host = any(hosts)
-        check_floor(self, self._last_skipped_host if hosts and None not in hosts else None)
+        check_floor(self, self._last_skipped_host if known else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    def _combined_found_inf(self, required: bool) -> Optional[Tensor]:
-        states = [s for s in self._per_optimizer_states.values() if "found_inf" in s]
-        if not any(s["found_inf_per_device"] for s in states):
+    @staticmethod
+    def _combined_found_inf(states: list[dict[str, Any]], required: bool) -> Optional[Tensor]:
+        """The sum of the found-inf flags of ``states`` (the optimizers that recorded one)."""
+        checked = False
+        for state in states:  # a loop, not any(<genexpr>): update runs every step
+            checked = checked or bool(state["found_inf_per_device"])
+        if not checked:
             if required:
                 raise _StateError("No inf checks were recorded prior to update.")
             return None
