@@ -9,9 +9,10 @@ of ~5 us on a GPU) and host syncs. Measured per path, in one run:
 - *Python calls / step*: function and builtin calls seen by ``sys.setprofile`` over one
   step: the host's Python work, counted exactly (a busy machine cannot blur it);
 - *host us / step*: median CPU time of this thread per step over interleaved rounds
-  (torch.amp and each ampkit path take turns, so drift hits all alike; thread time, not
-  wall time, so waiting for a busy machine's cores is not counted), 1 thread, tiny
-  models, so the time is dispatch and Python rather than arithmetic;
+  (torch.amp and each ampkit path take turns, each round starting with another path, so
+  drift hits all alike; thread time, not wall time, so waiting for a busy machine's cores
+  is not counted), 1 thread, tiny models, so the time is dispatch and Python rather than
+  arithmetic; *× torch* is the median of the rounds' paired ratios;
 - *peak B/param*: the most bytes of live tensors during a step (params, grads, masters,
   optimizer state and temporaries), per parameter.
 
@@ -30,17 +31,17 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from typing import Any, Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from ampkit._torch_compat import TorchDispatchMode  # noqa: E402
 
 import ampkit  # noqa: E402
 from ampkit import _state  # noqa: E402
+from ampkit._measure import LiveTensorBytes  # noqa: E402
 
 BF16 = torch.bfloat16
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -161,44 +162,14 @@ def count_python_calls(step: Step) -> int:
     return calls
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Tracks the bytes of live tensor storages created inside it, and their peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.now = 0
-        self.peak = 0
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.now += storage.nbytes()
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for value in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(value, torch.Tensor) and not func.is_view:
-                self._track(value)
-        return out
-
-
 def peak_bytes_per_param(build: Callable[..., Step], model_fn: Callable, kind: str) -> float:
     """Peak bytes of live tensors over building and 2 steps, per parameter."""
     torch.manual_seed(0)
     model, x = model_fn()
     n = sum(p.numel() for p in model.parameters())
-    with _LiveBytes() as live:
+    with LiveTensorBytes() as live:
         for p in model.parameters():  # the fp32 model the user built
-            live._track(p)
+            live.track(p)
         step = build(model, x, kind)
         step()
         step()
@@ -218,8 +189,11 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
     model_fn = MODELS[model_name]
     steps_of = {name: _fresh(build, model_fn, kind) for name, build in PATHS.items()}
     times: dict[str, list[float]] = {name: [] for name in PATHS}
-    for _ in range(rounds):
-        for name, step in steps_of.items():
+    names = list(steps_of)
+    for turn in range(rounds):
+        # Each round starts with another path, so no path always runs first (caches, clocks).
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            step = steps_of[name]
             start = time.thread_time_ns()
             for _ in range(steps):
                 step()
@@ -233,9 +207,12 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
                          "peak_bytes_per_param": peak_bytes_per_param(build, model_fn, kind),
                          "ops": dict(sorted(counter.names.items()))}
     ref = results["torch.amp"]
-    for row in results.values():
+    for name, row in results.items():
         row["ops_vs_torch"] = row["kernel_ops"] - ref["kernel_ops"]
-        row["time_vs_torch"] = row["host_us"] / ref["host_us"]
+        # The median of the rounds' paired ratios: a slow spell of the machine hits both
+        # sides of a pair, where a ratio of two medians mixes rounds.
+        row["time_vs_torch"] = statistics.median(
+            mine / theirs for mine, theirs in zip(times[name], times["torch.amp"]))
     return results
 
 

@@ -97,3 +97,91 @@ def test_no_more_device_ops_or_host_syncs_per_step_than_torch_amp(path, kind, ov
     assert ours.syncs <= reference.syncs
     if not listening:  # a listening logger may cost a copy of the flag to the host
         assert ours.kernels <= reference.kernels
+
+
+# --- O2's memory and its gradient move ------------------------------------------------------
+def _peak_bytes_per_param(level: str, kind: str) -> float:
+    """Peak bytes of live tensors over initialize and two steps of bench's small GPT
+    (activations weigh as in training), per parameter."""
+    from ampkit._measure import LiveTensorBytes
+    from ampkit.bench.workloads import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab, (16, cfg.seq))
+    n = sum(p.numel() for p in model.parameters())
+    with LiveTensorBytes() as live:
+        for param in model.parameters():
+            live.track(param)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{kind: True})
+        model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=BF16,
+                                       loss_scale="dynamic", verbosity=0)
+        for _ in range(2):
+            opt.zero_grad()
+            with ampkit.scale_loss(model(tokens).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    return live.peak / n
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_o2_peak_memory_is_below_o1s(kind):
+    o1, o2 = _peak_bytes_per_param("O1", kind), _peak_bytes_per_param("O2", kind)
+    assert o2 < o1, (o1, o2)
+
+
+def _move_cost(model: nn.Module, monkeypatch, accumulate: bool) -> tuple[int, int, int]:
+    """(multi-tensor copies, Python calls, buckets) of one O2 gradient move of ``model``:
+    into masters whose grads a step consumed, or (``accumulate``) into masters holding
+    an earlier backward's."""
+    import sys
+
+    from ampkit import master
+    from ampkit.optim import master_weights_of
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    masters = master_weights_of(opt)
+    width = model[0].in_features
+
+    def backward() -> None:
+        model(torch.randn(4, width)).float().sum().backward()
+
+    backward()
+    masters.move_grads()  # builds the bucket plan, once
+    if not accumulate:
+        masters.clear_master_grads()  # as a step does
+    backward()
+    copies, calls = [], 0
+    copy = master.foreach_copy_
+    monkeypatch.setattr(master, "foreach_copy_", lambda dst, src: copies.append(len(dst)) or copy(dst, src))
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        masters.move_grads()
+    finally:
+        sys.setprofile(None)
+    monkeypatch.undo()
+    assert sum(copies) == len(masters.master_params)  # every gradient moved
+    buckets = len({m.grad.untyped_storage().data_ptr() for m in masters.master_params})
+    return len(copies), calls, buckets
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_o2_gradient_move_costs_o_buckets_not_o_parameters(monkeypatch, accumulate):
+    """4, 40 and 400 parameters: one multi-tensor copy per bucket, and Python calls that
+    grow with the buckets (at most 8), not with the parameters."""
+    def cost(layers: int) -> tuple[int, int, int]:
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(layers)])
+        return _move_cost(model, monkeypatch, accumulate)
+
+    single, few, many = cost(2), cost(20), cost(200)
+    assert (single[0], single[2]) == (1, 1)  # a small model: one bucket
+    assert many[0] == many[2] == 8  # _BUCKETS
+    per_bucket = (few[1] - single[1]) / (few[2] - single[2])
+    assert many[1] <= few[1] + per_bucket * (many[2] - few[2]), (single, few, many)

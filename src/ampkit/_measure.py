@@ -17,9 +17,12 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+
+from ._torch_compat import EagerDispatchMode
 
 CONFIDENCE = 0.95
 # A speedup counts as stable once its 95% interval is within ±5% of it.
@@ -191,6 +194,52 @@ class MemoryMeter:
 
     def peak_mib(self) -> float:
         return max(self._peak, 0) / 2**20
+
+
+class LiveTensorBytes(EagerDispatchMode):
+    """Exact bytes of live tensor storages, and their peak, on any device (a CPU too).
+
+    Counts every storage an op creates while the mode is active, plus the tensors passed
+    to :meth:`track` (what existed before, e.g. the model's parameters), until each storage
+    is freed. Unlike a process's RSS it sees neither the allocator's caching nor other
+    runs in the process, so phases and precisions compare byte for byte (a views' storage
+    is counted once).
+
+    Example:
+        >>> with LiveTensorBytes() as live:
+        ...     x = torch.ones(256)  # 1 KiB
+        ...     del x
+        >>> live.peak, live.now
+        (1024, 0)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.now = 0
+        self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage from now until it is freed (once per storage)."""
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self._live or size == 0:
+            return
+        self._live[key] = size
+        self.now += size
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for value in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(value, torch.Tensor):
+                    self.track(value)
+        return out
 
 
 # --- statistics -------------------------------------------------------------------------------
