@@ -68,7 +68,8 @@ def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
             if device not in found_per_device:
                 found_per_device[device] = (found_inf if device == found_inf.device
                                             else torch.zeros((), dtype=torch.float32, device=device))
-                inv_per_device[device] = inv_scale.to(device, non_blocking=True)
+                inv_per_device[device] = (inv_scale if inv_scale.device == device
+                                          else inv_scale.to(device, non_blocking=True))
             _check_and_unscale(group, found_per_device[device], inv_per_device[device])
     finally:
         torch.set_grad_enabled(grad_mode)

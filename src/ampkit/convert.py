@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dtypes import HALF_DTYPES, cast_tree
+from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree
 from ._torch_compat import (
     BatchNormBase,
     local_buffers,
@@ -211,7 +211,8 @@ class _CastOutputs:
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if output.__class__ is Tensor:  # the usual output, cast without the tree walk
             dtype = self.dtype
-            return output.to(dtype) if output.is_floating_point() and output.dtype != dtype else output
+            return (cast_tensor(output, dtype) if output.is_floating_point() and output.dtype != dtype
+                    else output)
         return cast_floating(output, self.dtype)
 
 

@@ -294,7 +294,9 @@ class GradScaler:
             self._lazy_init_scale_growth_tracker(device)
         copy = copies.get(device)
         if copy is None:
-            copy = copies[device] = self._scale.to(device=device, non_blocking=True)
+            scale = self._scale  # (a .to() that changes nothing still costs host time)
+            copy = copies[device] = (scale if scale.device == device
+                                     else scale.to(device=device, non_blocking=True))
         return copy
 
     def _scale_nested(self, value: Any, copies: dict[torch.device, Tensor]) -> Any:
@@ -514,7 +516,8 @@ class GradScaler:
         Callers outside this class use :meth:`update_from`.
         """
         scale, tracker = self._check_scale_growth_tracker("update")
-        found_inf = found_inf.to(scale.device, non_blocking=True)
+        if found_inf.device != scale.device:
+            found_inf = found_inf.to(scale.device, non_blocking=True)
         if not synced:
             self._sync_found_inf(found_inf)
         self._count_step(found_inf)
