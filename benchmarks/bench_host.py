@@ -12,7 +12,8 @@ of ~5 us on a GPU) and host syncs. Measured per path, in one run:
   (torch.amp and each ampkit path take turns, each round starting with another path, so
   drift hits all alike; thread time, not wall time, so waiting for a busy machine's cores
   is not counted), 1 thread, tiny models, so the time is dispatch and Python rather than
-  arithmetic; *× torch* is the median of the rounds' paired ratios;
+  arithmetic; *× torch* is the median of the rounds' paired ratios, with its
+  distribution-free 95% interval;
 - *peak B/param*: the most bytes of live tensors during a step (params, grads, masters,
   optimizer state and temporaries), per parameter.
 
@@ -41,7 +42,7 @@ from ampkit._torch_compat import TorchDispatchMode  # noqa: E402
 
 import ampkit  # noqa: E402
 from ampkit import _state  # noqa: E402
-from ampkit._measure import LiveTensorBytes  # noqa: E402
+from ampkit._measure import LiveTensorBytes, median_interval  # noqa: E402
 
 BF16 = torch.bfloat16
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -211,9 +212,15 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
         row["ops_vs_torch"] = row["kernel_ops"] - ref["kernel_ops"]
         # The median of the rounds' paired ratios: a slow spell of the machine hits both
         # sides of a pair, where a ratio of two medians mixes rounds.
-        row["time_vs_torch"] = statistics.median(
-            mine / theirs for mine, theirs in zip(times[name], times["torch.amp"]))
+        ratios = [mine / theirs for mine, theirs in zip(times[name], times["torch.amp"])]
+        row["time_vs_torch"] = statistics.median(ratios)
+        row["time_vs_torch_interval"] = median_interval(ratios)  # 95%, distribution-free
     return results
+
+
+def _ratio(row: dict) -> str:
+    low, high = row["time_vs_torch_interval"] or (float("nan"), float("nan"))
+    return f"{row['time_vs_torch']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def main() -> None:
@@ -230,7 +237,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} thread, bf16, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     print(f"{'model':11} {'optim':7} {'path':19} {'ops':>5} {'Δops':>5} {'syncs':>5} "
-          f"{'py calls':>8} {'host us':>8} {'× torch':>7} {'B/param':>7}")
+          f"{'py calls':>8} {'host us':>8} {'× torch [95% interval]':>22} {'B/param':>7}")
     for model_name in args.models.split(","):
         for kind in args.optimizers.split(","):
             results = measure(model_name, kind, args.rounds, args.steps)
@@ -238,7 +245,7 @@ def main() -> None:
             for name, r in results.items():
                 print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
                       f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['python_calls']:8d} {r['host_us']:8.1f} "
-                      f"{r['time_vs_torch']:7.3f} {r['peak_bytes_per_param']:7.1f}")
+                      f"{_ratio(r):>22} {r['peak_bytes_per_param']:7.1f}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
