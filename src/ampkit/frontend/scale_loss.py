@@ -6,7 +6,7 @@ import functools
 import logging
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +75,7 @@ class _ScaleLoss:
         self.delay_unscale, self.delay_overflow_check = delay_unscale, delay_overflow_check
 
     def __enter__(self) -> Tensor:
-        amp = self.amp = require_initialized()
+        amp = self.amp = _state.get_active() or require_initialized()
         loss, loss_id = self.loss, self.loss_id
         self.loss = None  # neither the loss nor its graph outlives the body through this object
         self.held = None
@@ -89,7 +89,9 @@ class _ScaleLoss:
         if self.delay_overflow_check.__class__ is not bool:
             self.delay_overflow_check = check_bool("delay_overflow_check",
                                                    self.delay_overflow_check)
-        scaled = amp.scalers[loss_id].scale(loss.float()) if amp.scaling else loss.float()
+        if loss.dtype is not torch.float32:
+            loss = loss.float()
+        scaled = amp.scalers[loss_id].scale(loss) if amp.scaling else loss
         self.held = [_set_aside(opt, stash) for opt, stash in zip(self.opts, self.stashes)]
         return scaled
 
@@ -187,17 +189,20 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     grads stay scaled until that exit, as in apex.
     """
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
-    # unscaled join after it.
-    held.add_back(own=delay or not held.own_unscaled, half=True)
+    # unscaled join after it. (Nothing is held after a zero_grad: the usual case.)
+    holding = bool(held.own_grads or held.half_grads)
+    if holding:
+        held.add_back(own=delay or not held.own_unscaled, half=True)
     own = [] if delay else [p.grad for p in held.own if p.grad is not None]
-    unscale: Optional[Callable[[list[Tensor]], None]] = None
-    if inv_scale is not None and found_inf is not None:
-        unscale = functools.partial(_unscale_grads, own, inv_scale, found_inf)
-    if stash.masters is not None:
-        stash.masters.move_grads(unscale)
-    elif unscale is not None:
-        unscale([])
-    held.add_back(own=True, half=False)
+    if inv_scale is None or found_inf is None:  # a fixed scale of 1: nothing to unscale
+        if stash.masters is not None:
+            stash.masters.move_grads(None)
+    elif stash.masters is not None:
+        stash.masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf))
+    else:
+        _unscale_grads(own, inv_scale, found_inf, [])
+    if holding:
+        held.add_back(own=True, half=False)
     if not delay:
         stash.grads_unscaled = True
 
