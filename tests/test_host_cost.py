@@ -182,6 +182,7 @@ def test_o2_gradient_move_costs_o_buckets_not_o_parameters(monkeypatch, accumula
 
     single, few, many = cost(2), cost(20), cost(200)
     assert (single[0], single[2]) == (1, 1)  # a small model: one bucket
+    assert (few[0], few[2]) == (2, 2)
     assert many[0] == many[2] == 8  # _BUCKETS
-    per_bucket = (few[1] - single[1]) / (few[2] - single[2])
-    assert many[1] <= few[1] + per_bucket * (many[2] - few[2]), (single, few, many)
+    # 360 more parameters and 6 more buckets: a call per parameter would add 360 or more.
+    assert many[1] - few[1] < 360 // 4, (single, few, many)
