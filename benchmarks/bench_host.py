@@ -27,6 +27,7 @@ initialize + scale_loss, with AdamW foreach and fused, bf16.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -218,6 +219,68 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
     return results
 
 
+# --- where an apex-style forward's host time goes --------------------------------------------
+class _HookedAutocast:
+    """torch.autocast entered by a forward pre-hook and left by an always-called forward
+    hook: what a model-level region costs through torch's hook path, apart from ampkit."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        region = torch.autocast("cpu", dtype=BF16)
+        region.__enter__()
+        self.stack.append(region)
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.stack.pop().__exit__(None, None, None)
+
+
+def forward_cost(rounds: int, forwards: int = 50) -> dict[str, dict]:
+    """Host time of one MLP forward and loss (backward untimed), three ways: torch.autocast
+    around the call, torch.autocast entered through module hooks (what ampkit's O1 region
+    cost before its converted forward replaced them: torch's slow path for a module with
+    hooks), and ampkit O1 (its converted forward: region and fp32 output cast). Median
+    per round, interleaved rounds."""
+    torch.manual_seed(0)
+    base, x = mlp()
+    plain, hooked, amp_model = (copy.deepcopy(base) for _ in range(3))
+    region = _HookedAutocast()
+    hooked.register_forward_pre_hook(region.enter, with_kwargs=True, prepend=True)
+    hooked.register_forward_hook(region.leave, prepend=True, always_call=True)
+    opt = torch.optim.AdamW(amp_model.parameters(), lr=1e-3, foreach=True)
+    amp_model, opt = ampkit.initialize(amp_model, opt, opt_level="O1", half_dtype=BF16, verbosity=0)
+
+    def around() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return plain(x).float().pow(2).mean()
+
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "torch.autocast around the call": around,
+        "torch.autocast through hooks": lambda: hooked(x).float().pow(2).mean(),
+        "ampkit O1 (its forward, fp32 output)": lambda: amp_model(x).float().pow(2).mean()}
+    per_round: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for turn in range(rounds):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            times = []
+            for _ in range(forwards):
+                start = time.thread_time_ns()
+                loss = variants[name]()
+                times.append(time.thread_time_ns() - start)
+                loss.backward()
+            per_round[name].append(statistics.median(times) / 1e3)
+    ref = per_round[names[0]]
+    out = {}
+    for name in names:
+        ratios = [mine / theirs for mine, theirs in zip(per_round[name], ref)]
+        out[name] = {"forward_us": statistics.median(per_round[name]),
+                     "extra_us": statistics.median(m - t for m, t in zip(per_round[name], ref)),
+                     "time_vs_torch": statistics.median(ratios),
+                     "time_vs_torch_interval": median_interval(ratios)}
+    return out
+
+
 def _ratio(row: dict) -> str:
     low, high = row["time_vs_torch_interval"] or (float("nan"), float("nan"))
     return f"{row['time_vs_torch']:.3f} [{low:.3f}, {high:.3f}]"
@@ -229,6 +292,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--optimizers", default="foreach,fused")
+    parser.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time an apex-style forward's parts (torch's hook path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -246,6 +311,11 @@ def main() -> None:
                 print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
                       f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['python_calls']:8d} {r['host_us']:8.1f} "
                       f"{_ratio(r):>22} {r['peak_bytes_per_param']:7.1f}")
+    if args.forward:
+        report["forward"] = forward_cost(args.rounds)
+        print(f"\nMLP forward + loss, per call ({args.rounds} interleaved rounds of 50):")
+        for name, r in report["forward"].items():
+            print(f"  {name:32} {r['forward_us']:7.1f} us  {r['extra_us']:+6.1f} us  {_ratio(r)}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import inspect
+import types
 from typing import NamedTuple
 
 import pytest
@@ -81,10 +83,47 @@ def test_forward_casts_inputs_and_outputs(device, dtype):
     out = model([x, n], extra={"z": torch.randn(2, 3, device=device)})
     assert model.seen == [dtype, dtype]
     assert out["out"].dtype == torch.float32 and out["n"] is n
-    assert "forward" not in model.__dict__  # hooks, not a replaced forward
+    # One converted forward, no forward hooks: torch calls the model on its fast path.
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert model.forward.__self__ is model
     handle.remove()
     assert _hook_count(model) == 0 and conversion_of(model) is None
+    assert "forward" not in model.__dict__
     assert model([x.to(dtype), n], extra={"z": x.to(dtype)})["out"].dtype == dtype
+
+
+def test_converted_forward_keeps_the_signature_a_forward_it_wrapped_and_a_later_wrapper():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x, mask=None):
+            return self.lin(x)
+
+    model = Model()
+    calls: list[str] = []
+
+    def theirs(x, mask=None):  # someone's wrapper, set before the conversion
+        calls.append("theirs")
+        return Model.forward(model, x, mask)
+
+    model.forward = theirs
+    casts = ForwardCasts(output_dtype=torch.float64,
+                         autocast=lambda: torch.autocast("cpu", torch.bfloat16))
+    handle = convert_model(model, casts=casts)
+    assert list(inspect.signature(model.forward).parameters) == ["x", "mask"]
+    assert model(torch.ones(1, 2)).dtype == torch.float64 and calls == ["theirs"]
+    assert model.forward(torch.ones(1, 2)).dtype == torch.float64  # a direct call too
+    handle.remove()  # theirs is back
+    assert model.forward is theirs and model(torch.ones(1, 2)).dtype == torch.float32
+    # Wrapping model.forward.__func__ again and binding it (as accelerate does) keeps the casts.
+    handle = convert_model(model, casts=casts)
+    func = model.forward.__func__
+    model.forward = types.MethodType(lambda self, *a, **k: func(self, *a, **k), model)
+    assert model(torch.ones(1, 2)).dtype == torch.float64
+    handle.remove()  # under a later wrapper ours stays, and passes calls through unconverted
+    assert model(torch.ones(1, 2)).dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

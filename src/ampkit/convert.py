@@ -1,13 +1,16 @@
 """Casting a model for the opt levels: parameters to half, forward inputs/outputs, state dicts.
 
-Everything here is attached with module hooks (never by replacing ``forward``), and all
-of it is undone by :meth:`ConvertHandle.remove`, so a model can be initialized again
-without stale casts. What the hooks do:
+All of it is undone by :meth:`ConvertHandle.remove`, so a model can be initialized again
+without stale casts. What a conversion installs:
 
-* forward pre-hook: cast floating inputs (nested in lists, tuples, dicts) to half, and/or
-  enter ``ampkit.autocast`` (O1);
-* forward hook (also run when forward raises): leave that autocast region and cast
-  floating outputs (O1: fp32; O2: fp32 or ``cast_model_outputs``);
+* ``model.forward``, in the model's own ``__dict__``: the forward it had, with its floating
+  inputs (nested in lists, tuples, dicts) cast to half and/or inside an
+  ``ampkit.autocast`` region (O1, left even when forward raises), and its floating outputs
+  cast (O1: fp32; O2: fp32 or ``cast_model_outputs``). One Python frame, not module
+  hooks: torch runs a module that has any forward hook through its slow call path, which
+  cost more host time per call (about 20 us on a CPU) than the casts and the region
+  together. It is shaped like a bound method (``__func__``, ``__self__``, ``__wrapped__``
+  for ``inspect.signature``), so code that wraps ``model.forward`` again keeps the casts;
 * state-dict hooks (half models): ``model.state_dict()`` holds fp32 tensors (the fp32
   master of a parameter when it has one, so a checkpoint resumes bitwise), and
   ``model.load_state_dict()`` writes the loaded fp32 values into the masters as well.
@@ -15,7 +18,7 @@ without stale casts. What the hooks do:
 
 from __future__ import annotations
 
-import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, ContextManager, Optional
@@ -108,25 +111,35 @@ class ForwardCasts:
 
 
 class ConvertHandle:
-    """The hooks one conversion installed on a model; ``remove()`` takes them all off."""
+    """What one conversion installed on a model; ``remove()`` takes it all off.
+
+    ``casts``: what the converted forward does (None once removed); ``inner_forward``:
+    the model's own ``forward`` attribute before the conversion (None: its class's).
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self._model: Optional[weakref.ref] = weakref.ref(model)
         self.handles: list[RemovableHandle] = []
+        self.casts: Optional[ForwardCasts] = None
+        self.inner_forward: Optional[Callable[..., Any]] = None
 
     def __getstate__(self) -> dict:
         # A weak reference does not pickle; an unpickled model finds its handle through
         # its own attribute (conversion_of), so the copy needs none.
-        return {"_model": None, "handles": self.handles}
+        return {"_model": None, "handles": self.handles, "casts": self.casts,
+                "inner_forward": self.inner_forward}
 
     def remove(self) -> None:
-        """Remove every hook (the parameters keep the dtype they were cast to)."""
+        """Remove every hook and the converted forward (the parameters keep their dtype)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
         model = self._model() if self._model is not None else None
-        if model is not None and getattr(model, _HANDLE_ATTR, None) is self:
-            delattr(model, _HANDLE_ATTR)
+        if model is not None:
+            _restore_forward(model, self)
+            if getattr(model, _HANDLE_ATTR, None) is self:
+                delattr(model, _HANDLE_ATTR)
+        self.casts = None
 
 
 def conversion_of(model: nn.Module) -> Optional[ConvertHandle]:
@@ -135,11 +148,12 @@ def conversion_of(model: nn.Module) -> Optional[ConvertHandle]:
 
 
 def remove_conversion(model: nn.Module) -> None:
-    """Take off the hooks of an earlier conversion of ``model`` (no-op without one)."""
+    """Take off an earlier conversion of ``model`` (no-op without one)."""
     handle = conversion_of(model)
     if handle is not None:
+        _restore_forward(model, handle)  # (an unpickled copy's handle has no model to ask)
         handle.remove()
-        if getattr(model, _HANDLE_ATTR, None) is handle:  # an unpickled copy's handle
+        if getattr(model, _HANDLE_ATTR, None) is handle:
             delattr(model, _HANDLE_ATTR)
 
 
@@ -176,81 +190,88 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
     if param_dtype in HALF_DTYPES:
         handle.handles += _install_fp32_state_dict(model)
     if casts.active:
-        handle.handles += _install_forward_casts(model, casts)
+        _install_forward_casts(model, casts, handle)
     setattr(model, _HANDLE_ATTR, handle)
     return handle
 
 
-# --- forward hooks ------------------------------------------------------------------------
-def _install_forward_casts(model: nn.Module, casts: ForwardCasts) -> list[RemovableHandle]:
-    handles = []
-    if casts.autocast is not None:
-        handles += _install_autocast_region(model, casts.autocast)
+# --- the converted forward --------------------------------------------------------------
+def _install_forward_casts(model: nn.Module, casts: ForwardCasts, handle: ConvertHandle) -> None:
+    handle.casts = casts
+    handle.inner_forward = model.__dict__.get("forward")  # someone's wrapper, kept inside
+    model.forward = _ConvertedForward(model)  # type: ignore[method-assign]
+
+
+def _restore_forward(model: nn.Module, handle: ConvertHandle) -> None:
+    """Put back the forward the model had, unless someone wrapped ours since (then ours,
+    inside theirs, finds no conversion and passes calls through)."""
+    current = model.__dict__.get("forward")
+    if isinstance(current, _ConvertedForward) and current.__self__ is model:
+        if handle.inner_forward is None:
+            del model.__dict__["forward"]
+        else:
+            model.forward = handle.inner_forward  # type: ignore[method-assign]
+
+
+def converted_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s forward with its conversion's casts and autocast region around it."""
+    handle: Optional[ConvertHandle] = getattr(module, _HANDLE_ATTR, None)
+    casts = None if handle is None else handle.casts
+    inner = None if handle is None else handle.inner_forward
+    if casts is None:
+        return _inner_forward(module, inner, args, kwargs)
     if casts.input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(_CastInputs(casts.input_dtype),
-                                                       with_kwargs=True))
-    if casts.output_dtype is not None:
-        handles.append(model.register_forward_hook(_CastOutputs(casts.output_dtype)))
-    return handles
-
-
-# The hooks are small classes, not closures, so a converted model still pickles
-# (torch.save(model), multiprocessing) as a plain one does.
-class _CastInputs:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype) if kwargs else kwargs
-
-
-class _CastOutputs:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if output.__class__ is Tensor:  # the usual output, cast without the tree walk
-            dtype = self.dtype
-            return (cast_tensor(output, dtype) if output.is_floating_point() and output.dtype != dtype
-                    else output)
-        return cast_floating(output, self.dtype)
-
-
-class _Region:
-    """The autocast regions forward runs in: a stack per thread (recursion, threads)."""
-
-    def __init__(self, factory: Callable[[], ContextManager[Any]]) -> None:
-        self.factory = factory
-        self._local = threading.local()
-
-    def __getstate__(self) -> dict:
-        return {"factory": self.factory}  # open regions belong to this process's threads
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["factory"])  # type: ignore[misc]
-
-    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        region = self.factory()
+        args = cast_floating(args, casts.input_dtype)
+        if kwargs:
+            kwargs = cast_floating(kwargs, casts.input_dtype)
+    if casts.autocast is None:
+        output = _inner_forward(module, inner, args, kwargs)
+    else:
+        region = casts.autocast()
         region.__enter__()
-        local = self._local.__dict__
-        if "stack" not in local:
-            local["stack"] = []
-        local["stack"].append(region)
+        try:
+            output = _inner_forward(module, inner, args, kwargs)
+        finally:
+            region.__exit__(None, None, None)
+    dtype = casts.output_dtype
+    if dtype is None:
+        return output
+    if output.__class__ is Tensor:  # the usual output, cast without the tree walk
+        return cast_tensor(output, dtype) if output.is_floating_point() and output.dtype != dtype else output
+    return cast_floating(output, dtype)
 
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        stack = self._local.__dict__.get("stack")
-        if stack:
-            stack.pop().__exit__(None, None, None)
+
+def _inner_forward(module: nn.Module, inner: Optional[Callable[..., Any]], args: tuple,
+                   kwargs: dict) -> Any:
+    """The forward the conversion wraps: the one the model had, else its class's."""
+    if inner is not None:
+        return inner(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
-def _install_autocast_region(model: nn.Module,
-                             factory: Callable[[], ContextManager[Any]]) -> list[RemovableHandle]:
-    """Run ``model.forward`` inside a fresh autocast region, left even when forward raises."""
-    region = _Region(factory)
-    # First among the module's pre-hooks, so no other pre-hook can fail before the region
-    # is entered; always_call, so the region is left when forward (or a later hook) raises.
-    return [model.register_forward_pre_hook(region.enter, with_kwargs=True, prepend=True),
-            model.register_forward_hook(region.leave, prepend=True, always_call=True)]
+class _ConvertedForward:
+    """``model.forward`` while a conversion is installed: :func:`converted_forward` bound
+    to the model. A small class rather than a bound method, so the model still pickles
+    (torch.save(model), multiprocessing) and deep-copies as a plain one does."""
+
+    __func__ = staticmethod(converted_forward)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.__self__ = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return converted_forward(self.__self__, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward inside (``inspect.signature(model.forward)`` reads its parameters)."""
+        module = self.__self__
+        handle = conversion_of(module)
+        inner = None if handle is None else handle.inner_forward
+        return inner if inner is not None else types.MethodType(type(module).forward, module)
+
+    def __repr__(self) -> str:
+        return f"<ampkit converted forward of {type(self.__self__).__name__}>"
 
 
 # --- state-dict hooks ---------------------------------------------------------------------
