@@ -199,6 +199,11 @@ class MasterWeights:
 # moves in one bucket (each bucket costs a few host-side ops).
 _BUCKETS = 8
 _MIN_BUCKET = 1 << 16
+# A bucket of at most this many gradients casts each one (a kernel per gradient, still at
+# most _FEW per bucket): cheaper on the host than a buffer, its views (two ops per
+# gradient, made each step) and one copy: 25 against 80 us for the 4 gradients of a small
+# MLP on a CPU (benchmarks/bench_host.py's mlp).
+_FEW = 8
 
 
 # (sparse gradient indices, [(device, [(bucket indices, bucket numel)])]): how a move
@@ -228,8 +233,9 @@ def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]
     """fp32 copies of the params' half gradients, which are freed (set to None).
 
     Dense ones: one buffer, one call for its views and one foreach copy per bucket of a
-    device (O(buckets) copies, no kernel per gradient); sparse ones one by one. ``plan``:
-    ``_plan(params)``, when the caller has it already.
+    device (O(buckets) copies, no kernel per gradient), or one cast per gradient in a
+    bucket of at most _FEW; sparse ones one by one. ``plan``: ``_plan(params)``, when the
+    caller has it already.
     """
     sparse, devices = plan if plan is not None else _plan(params)
     out: list[Optional[Tensor]] = [None] * len(params)
@@ -238,9 +244,12 @@ def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]
     for device, buckets in devices:
         for bucket, numel in buckets:
             grads = [params[i].grad for i in bucket]
-            flat = torch.empty(numel, dtype=torch.float32, device=device)
-            views = unflatten_dense_tensors(flat, grads)
-            foreach_copy_(views, grads)
+            if len(grads) <= _FEW:
+                views = [grad.float() for grad in grads]
+            else:
+                flat = torch.empty(numel, dtype=torch.float32, device=device)
+                views = unflatten_dense_tensors(flat, grads)
+                foreach_copy_(views, grads)
             for i, view in zip(bucket, views):
                 out[i] = view
             for param in [params[i] for i in bucket]:
