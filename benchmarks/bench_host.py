@@ -315,7 +315,7 @@ def main() -> None:
         report["forward"] = forward_cost(args.rounds)
         print(f"\nMLP forward + loss, per call ({args.rounds} interleaved rounds of 50):")
         for name, r in report["forward"].items():
-            print(f"  {name:32} {r['forward_us']:7.1f} us  {r['extra_us']:+6.1f} us  {_ratio(r)}")
+            print(f"  {name:38} {r['forward_us']:7.1f} us  {r['extra_us']:+6.1f} us  {_ratio(r)}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
