@@ -224,7 +224,7 @@ def region_factory(device_type: Optional[str] = None,
 
     The arguments are checked and resolved once, here, as ``autocast`` would now (with
     its errors); each region it makes then skips that work, which matters where one is
-    entered per forward (O1's model hook). Whether torch runs the region (with its
+    entered per forward (O1's converted forward). Whether torch runs the region (with its
     warning where it does not) and the cache flag are still decided per region, as for
     ``autocast``.
 

@@ -7,9 +7,11 @@ that reaches a model during another model's backward (a GAN's generator loss flo
 through the discriminator) stays on that model until its own ``zero_grad``, as it would
 in fp32. They move into the masters only when the optimizer that owns them unscales
 (``scale_loss``, ``GradScaler.unscale_``) or steps: :meth:`MasterWeights.move_grads`
-converts them with one foreach copy per device into one fp32 buffer, which the unscale
-kernel then reads as one tensor list, and frees the half gradients. After each optimizer
-step the masters are copied back into the model with one foreach copy per dtype.
+converts them bucket by bucket (at most 8 per device) into fp32, each bucket with one
+foreach copy into one buffer (a cast per gradient in a bucket of a few), frees each
+bucket's half gradients as it goes, and the unscale kernel then reads the new fp32
+gradients as one tensor list. After each optimizer step the masters are copied back into
+the model with one foreach copy per dtype.
 
 Masters hold *unscaled* gradients (a caller passes ``unscale`` to :meth:`move_grads`
 when the model's gradients are scaled), so several unscaled backwards before one step
