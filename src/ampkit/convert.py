@@ -93,7 +93,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, *,
 
 @dataclass(frozen=True)
 class ForwardCasts:
-    """What the forward hooks of one model do.
+    """What the converted forward of one model does.
 
     Args:
         input_dtype: floating inputs are cast to this dtype (None: left as they are).
@@ -161,10 +161,10 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
                   keep_fp32: tuple[type[nn.Module], ...] = BATCHNORM_TYPES,
                   keep_modules: Collection[nn.Module] = (),
                   casts: ForwardCasts = ForwardCasts()) -> ConvertHandle:
-    """Cast ``model`` to ``param_dtype`` and install its forward and state-dict hooks.
+    """Cast ``model`` to ``param_dtype`` and install its converted forward and state-dict hooks.
 
-    An earlier conversion's hooks are removed first. Half models get the fp32 state-dict
-    hooks; ``casts`` decides the forward hooks.
+    An earlier conversion is removed first. Half models get the fp32 state-dict hooks;
+    ``casts`` decides what the converted forward does (none when it does nothing).
 
     Args:
         model: the module to convert.
