@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import types
+import weakref
 from typing import NamedTuple
 
 import pytest
@@ -13,6 +15,7 @@ from torch import nn
 
 from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
                             convert_model, remove_conversion)
+from ampkit.autocast import region_factory
 from ampkit.optim import attach_master_weights
 from conftest import DEVICES, HALF_DTYPES
 
@@ -215,3 +218,39 @@ def test_state_dict_saves_and_loads_the_fp32_masters(dtype):
         assert torch.equal(master, loaded[key])
     assert torch.equal(model[0].weight, loaded["0.weight"].to(dtype))
     assert torch.equal(model[1].weight, loaded["1.weight"])  # kept fp32: no master
+
+
+def test_a_wrapper_around_the_converted_forward_survives_converting_again():
+    """accelerate-style: wrap model.forward.__func__ after one conversion, convert again:
+    the casts run once and nothing recurses."""
+    model = nn.Linear(2, 2)
+    casts = ForwardCasts(output_dtype=torch.float64)
+    convert_model(model, casts=casts)
+    func = model.forward.__func__
+    model.forward = types.MethodType(lambda self, *a, **k: func(self, *a, **k), model)
+    convert_model(model, casts=casts)
+    assert model(torch.ones(1, 2)).dtype == torch.float64
+
+
+def test_a_converted_model_is_freed_without_the_cycle_collector():
+    model = nn.Linear(2, 2)
+    convert_model(model, param_dtype=torch.bfloat16,
+                  casts=ForwardCasts(torch.bfloat16, torch.float32))
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None  # no reference cycle through model.forward
+    finally:
+        gc.enable()
+
+
+def test_a_converted_model_exports():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    convert_model(model, casts=ForwardCasts(output_dtype=torch.float64,
+                                            autocast=region_factory("cpu", torch.bfloat16)))
+    x = torch.randn(2, 4)
+    exported = torch.export.export(model, (x,), strict=False)  # (strict: test_autocast.py)
+    assert exported.module()(x).dtype == torch.float64
+    if torch.__version__ >= "2.11":  # earlier non-strict exports leave autocast regions out
+        assert torch.equal(exported.module()(x), model(x))

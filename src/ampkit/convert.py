@@ -18,6 +18,8 @@ without stale casts. What a conversion installs:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 import weakref
 from dataclasses import dataclass
@@ -199,25 +201,24 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
 def _install_forward_casts(model: nn.Module, casts: ForwardCasts, handle: ConvertHandle) -> None:
     handle.casts = casts
     handle.inner_forward = model.__dict__.get("forward")  # someone's wrapper, kept inside
-    model.forward = _ConvertedForward(model)  # type: ignore[method-assign]
+    model.forward = _ConvertedForward(model, handle)  # type: ignore[method-assign]
 
 
 def _restore_forward(model: nn.Module, handle: ConvertHandle) -> None:
     """Put back the forward the model had, unless someone wrapped ours since (then ours,
-    inside theirs, finds no conversion and passes calls through)."""
+    inside theirs, passes calls through once its conversion is removed)."""
     current = model.__dict__.get("forward")
-    if isinstance(current, _ConvertedForward) and current.__self__ is model:
+    if isinstance(current, _ConvertedForward) and current.handle is handle:
         if handle.inner_forward is None:
             del model.__dict__["forward"]
         else:
             model.forward = handle.inner_forward  # type: ignore[method-assign]
 
 
-def converted_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s forward with its conversion's casts and autocast region around it."""
-    handle: Optional[ConvertHandle] = getattr(module, _HANDLE_ATTR, None)
-    casts = None if handle is None else handle.casts
-    inner = None if handle is None else handle.inner_forward
+def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s forward inside one conversion's casts and autocast region; the forward
+    it wrapped alone once that conversion is removed (``handle.casts`` None)."""
+    casts, inner = handle.casts, handle.inner_forward
     if casts is None:
         return _inner_forward(module, inner, args, kwargs)
     if casts.input_dtype is not None:
@@ -243,32 +244,62 @@ def converted_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _inner_forward(module: nn.Module, inner: Optional[Callable[..., Any]], args: tuple,
                    kwargs: dict) -> Any:
-    """The forward the conversion wraps: the one the model had, else its class's."""
+    """The forward a conversion wraps: the one the model had, else its class's."""
     if inner is not None:
         return inner(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
 
 
 class _ConvertedForward:
-    """``model.forward`` while a conversion is installed: :func:`converted_forward` bound
-    to the model. A small class rather than a bound method, so the model still pickles
-    (torch.save(model), multiprocessing) and deep-copies as a plain one does."""
+    """``model.forward`` while a conversion is installed: :func:`converted_forward` of
+    that conversion, bound to the model.
 
-    __func__ = staticmethod(converted_forward)
+    Shaped like a bound method: ``__func__`` (bound to this conversion, so a wrapper
+    around it made before a later ``initialize`` never re-enters the later one),
+    ``__self__``, ``__wrapped__`` (``inspect.signature`` shows the model's parameters),
+    ``__code__`` and ``__name__`` (torch.export reads them). It holds the model weakly, so
+    the model and its forward form no reference cycle (``del model`` frees it at once), and
+    it pickles and deep-copies with the model.
+    """
 
-    def __init__(self, module: nn.Module) -> None:
-        self.__self__ = module
+    def __init__(self, module: nn.Module, handle: ConvertHandle) -> None:
+        self._module = weakref.ref(module)
+        self.handle = handle
+
+    def __getstate__(self) -> dict:
+        return {"module": self._module(), "handle": self.handle}
+
+    def __setstate__(self, state: dict) -> None:
+        self._module = weakref.ref(state["module"])
+        self.handle = state["handle"]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return converted_forward(self.__self__, *args, **kwargs)
+        return converted_forward(self.handle, self._module(), *args, **kwargs)
+
+    @property
+    def __self__(self) -> nn.Module:
+        module = self._module()
+        assert module is not None  # reached through the model, which is alive
+        return module
+
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        return functools.partial(converted_forward, self.handle)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
-        """The forward inside (``inspect.signature(model.forward)`` reads its parameters)."""
-        module = self.__self__
-        handle = conversion_of(module)
-        inner = None if handle is None else handle.inner_forward
-        return inner if inner is not None else types.MethodType(type(module).forward, module)
+        """The forward inside."""
+        inner = self.handle.inner_forward
+        return inner if inner is not None else types.MethodType(type(self.__self__).forward,
+                                                                self.__self__)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        return inspect.unwrap(self.__wrapped__).__code__
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.__wrapped__, "__name__", "forward")
 
     def __repr__(self) -> str:
         return f"<ampkit converted forward of {type(self.__self__).__name__}>"
