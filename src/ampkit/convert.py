@@ -18,7 +18,6 @@ without stale casts. What a conversion installs:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 import weakref
@@ -284,7 +283,11 @@ class _ConvertedForward:
 
     @property
     def __func__(self) -> Callable[..., Any]:
-        return functools.partial(converted_forward, self.handle)
+        handle = self.handle
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return converted_forward(handle, module, *args, **kwargs)
+        return forward
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
