@@ -21,7 +21,7 @@ Paths: torch.amp (torch.autocast + torch.amp.GradScaler, the reference), ampkit'
 torch-style loop (ampkit.autocast + ampkit.GradScaler), ampkit O1 and O2 through
 initialize + scale_loss, with AdamW foreach and fused, bf16.
 
-    PYTHONPATH=src python3 benchmarks/bench_host.py [--rounds 30] [--json out/bench_host.json]
+    PYTHONPATH=src python3 benchmarks/bench_host.py [--rounds 30] [--device cuda] [--json out/bench_host.json]
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ from ampkit import _state  # noqa: E402
 from ampkit._measure import LiveTensorBytes, median_interval  # noqa: E402
 
 BF16 = torch.bfloat16
+# Where the models run (--device): on a GPU the thread's CPU time is the host's work per
+# step (launches, Python, dispatch), with kernels running on the device.
+DEVICE = torch.device("cpu")
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                 "_local_scalar_dense", "detach", "alias", "lift_fresh", "_record_function_enter_new",
                 "_record_function_exit"}
@@ -74,6 +77,17 @@ def gpt() -> tuple[nn.Module, torch.Tensor]:
 MODELS = {"mlp": mlp, "200xlinear": linears, "gpt": gpt}
 
 
+def _on_device(model_fn: Callable[[], tuple[nn.Module, torch.Tensor]]) -> tuple[nn.Module, torch.Tensor]:
+    model, x = model_fn()
+    return model.to(DEVICE), x.to(DEVICE)
+
+
+def _sync() -> None:
+    """Wait for queued device work, so one path's kernels never run in another's time."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 # --- the paths ------------------------------------------------------------------------------
 Step = Callable[[], None]
 
@@ -86,11 +100,11 @@ def _torch_style(autocast: Any, scaler_cls: Any) -> Callable[[nn.Module, torch.T
     """torch.amp's loop with the given autocast and GradScaler classes."""
     def build(model: nn.Module, x: torch.Tensor, kind: str) -> Step:
         opt = _optimizer(model, kind)
-        scaler = scaler_cls("cpu")
+        scaler = scaler_cls(DEVICE.type)
 
         def step() -> None:
             opt.zero_grad()
-            with autocast("cpu", dtype=BF16):
+            with autocast(DEVICE.type, dtype=BF16):
                 loss = model(x).float().pow(2).mean()
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -167,7 +181,7 @@ def count_python_calls(step: Step) -> int:
 def peak_bytes_per_param(build: Callable[..., Step], model_fn: Callable, kind: str) -> float:
     """Peak bytes of live tensors over building and 2 steps, per parameter."""
     torch.manual_seed(0)
-    model, x = model_fn()
+    model, x = _on_device(model_fn)
     n = sum(p.numel() for p in model.parameters())
     with LiveTensorBytes() as live:
         for p in model.parameters():  # the fp32 model the user built
@@ -180,7 +194,7 @@ def peak_bytes_per_param(build: Callable[..., Step], model_fn: Callable, kind: s
 
 def _fresh(build: Callable[..., Step], model_fn: Callable, kind: str) -> Step:
     torch.manual_seed(0)
-    model, x = model_fn()
+    model, x = _on_device(model_fn)
     step = build(model, x, kind)
     for _ in range(3):  # warm-up: lazy state (optimizer moments, scaler tensors)
         step()
@@ -196,6 +210,7 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
         # Each round starts with another path, so no path always runs first (caches, clocks).
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             step = steps_of[name]
+            _sync()
             start = time.thread_time_ns()
             for _ in range(steps):
                 step()
@@ -228,7 +243,7 @@ class _HookedAutocast:
         self.stack: list[Any] = []
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        region = torch.autocast("cpu", dtype=BF16)
+        region = torch.autocast(DEVICE.type, dtype=BF16)
         region.__enter__()
         self.stack.append(region)
 
@@ -243,7 +258,7 @@ def forward_cost(rounds: int, forwards: int = 50) -> dict[str, dict]:
     hooks), and ampkit O1 (its converted forward: region and fp32 output cast). Median
     per round, interleaved rounds."""
     torch.manual_seed(0)
-    base, x = mlp()
+    base, x = _on_device(mlp)
     plain, hooked, amp_model = (copy.deepcopy(base) for _ in range(3))
     region = _HookedAutocast()
     hooked.register_forward_pre_hook(region.enter, with_kwargs=True, prepend=True)
@@ -252,7 +267,7 @@ def forward_cost(rounds: int, forwards: int = 50) -> dict[str, dict]:
     amp_model, opt = ampkit.initialize(amp_model, opt, opt_level="O1", half_dtype=BF16, verbosity=0)
 
     def around() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=BF16):
+        with torch.autocast(DEVICE.type, dtype=BF16):
             return plain(x).float().pow(2).mean()
 
     variants: dict[str, Callable[[], torch.Tensor]] = {
@@ -264,6 +279,7 @@ def forward_cost(rounds: int, forwards: int = 50) -> dict[str, dict]:
     for turn in range(rounds):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             times = []
+            _sync()
             for _ in range(forwards):
                 start = time.thread_time_ns()
                 loss = variants[name]()
@@ -294,12 +310,15 @@ def main() -> None:
     parser.add_argument("--optimizers", default="foreach,fused")
     parser.add_argument("--forward", action=argparse.BooleanOptionalAction, default=True,
                         help="also time an apex-style forward's parts (torch's hook path)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (host cost of a GPU step)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
-    report = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "device": "cpu",
+    report = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "device": str(DEVICE),
               "threads": torch.get_num_threads(), "results": {}}
-    print(f"torch {torch.__version__}, cpu, {torch.get_num_threads()} thread, bf16, "
+    print(f"torch {torch.__version__}, {DEVICE}, {torch.get_num_threads()} thread, bf16, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     print(f"{'model':11} {'optim':7} {'path':19} {'ops':>5} {'Δops':>5} {'syncs':>5} "
           f"{'py calls':>8} {'host us':>8} {'× torch [95% interval]':>22} {'B/param':>7}")

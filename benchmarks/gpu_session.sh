@@ -10,9 +10,11 @@
 #   optlevels  benchmarks/bench_optlevels.py (GPT + ResNet-50)          limit 180 s
 #   fp8        benchmarks/bench_fp8.py --only gemm,mlp (compiled)       limit 200 s
 #   bench      ampkit bench on the GPT default, JSON + plot             limit 120 s
+#   host       benchmarks/bench_host.py --device cuda: ops (launches),
+#              syncs, Python calls and host time per step vs torch.amp  limit 150 s
 # A device call may run 600 s at most, so use two calls on one warm machine:
 #   bash benchmarks/gpu_session.sh tests autocast scaler optlevels     (<= 405 s)
-#   bash benchmarks/gpu_session.sh fp8 bench                           (<= 320 s)
+#   bash benchmarks/gpu_session.sh fp8 bench host                      (<= 470 s)
 # Each part runs under its own timeout so one slow part cannot eat the lease; results
 # (JSON, logs, PNG) go to $OUT (the device tool's folder) or out/ here. torchao 0.17 for
 # the fp8 reference must travel as a wheel in .whl/ (ignored by git; name it in the
@@ -28,7 +30,7 @@ out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests autocast scaler optlevels fp8 bench)
+[ ${#parts[@]} -eq 0 ] && parts=(tests autocast scaler optlevels fp8 bench host)
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -56,6 +58,8 @@ for part in "${parts[@]}"; do
             --json "$out/bench_fp8.json" ;;
         bench) run_part bench 120 python3 -m ampkit.cli bench --device cuda --quiet \
             --json "$out/bench_gpt.json" --plot "$out/bench_gpt.png" ;;
-        *) echo "unknown part '$part'; valid: tests autocast scaler optlevels fp8 bench"; exit 2 ;;
+        host) run_part host 150 python3 benchmarks/bench_host.py --device cuda --rounds 15 \
+            --json "$out/bench_host_cuda.json" ;;
+        *) echo "unknown part '$part'; valid: tests autocast scaler optlevels fp8 bench host"; exit 2 ;;
     esac
 done
