@@ -135,6 +135,7 @@ def _move_cost(model: nn.Module, monkeypatch, accumulate: bool) -> tuple[int, in
     """(multi-tensor copies, Python calls, fp32 buffers) of one O2 gradient move of ``model``:
     into masters whose grads a step consumed, or (``accumulate``) into masters holding
     an earlier backward's."""
+    import gc
     import sys
 
     from ampkit import master
@@ -161,11 +162,16 @@ def _move_cost(model: nn.Module, monkeypatch, accumulate: bool) -> tuple[int, in
         nonlocal calls
         calls += event in ("call", "c_call")
 
+    # No cycle collection inside the count: it runs finalizers (of earlier tests' tensors
+    # too), whose calls are not the move's.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         masters.move_grads()
     finally:
         sys.setprofile(None)
+        gc.enable()
     monkeypatch.undo()
     assert all(m.grad is not None and m.grad.dtype == torch.float32
                for m in masters.master_params)  # every gradient moved
