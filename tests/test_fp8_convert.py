@@ -156,6 +156,40 @@ def test_state_dict_keys_dtypes_and_round_trip(recipe, dtype):
     assert torch.equal(fresh[0].weight, make_model(seed=3, dtype=dtype)[0].weight)
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_converting_after_initialize_keeps_fp32_checkpoints_and_loads_into_masters(level):
+    """The swapped layers lost initialize's state-dict hooks: state_dict() turned bf16 and a
+    loaded checkpoint missed the fp32 masters, so the next step copied the stale ones back."""
+    import ampkit
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                   verbosity=0)
+    convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert isinstance(model[0], Float8Linear) and model[0].weight.dtype == torch.bfloat16
+    assert {v.dtype for v in model.state_dict().values()} == {torch.float32}
+    checkpoint = make_model(seed=5).state_dict()
+    model.load_state_dict(checkpoint)
+    with ampkit.scale_loss(model(torch.randn(4, 32)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()  # lr 0: the loaded values stay
+    assert torch.equal(model.state_dict()["0.weight"], checkpoint["0.weight"].bfloat16().float()
+                       if level == "O3" else checkpoint["0.weight"])
+    assert torch.equal(model[0].weight, checkpoint["0.weight"].bfloat16())
+
+
+def test_a_swapped_layer_keeps_the_hooks_registered_on_it():
+    model = make_model()
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    convert_to_fp8(model, recipe=EMU["tensorwise"])
+    model(torch.randn(2, 32))
+    assert seen == ["Float8Linear"]
+    handle.remove()  # the handle from before the swap still removes it
+    model(torch.randn(2, 32))
+    assert seen == ["Float8Linear"]
+
+
 # --- training tracks bf16 -----------------------------------------------------------------------
 
 def _mlp() -> nn.Sequential:

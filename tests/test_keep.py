@@ -158,3 +158,66 @@ def test_compiled_model_runs_kept_modules_in_fp32():
     with ampkit.autocast("cpu", dtype=BF16):
         out = compiled(x)
     assert out.dtype == F32 and torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("selector", ["", nn.Linear, lambda name, m: name == ""],
+                         ids=["name", "type", "callable"])
+def test_the_root_can_be_selected_and_runs_in_fp32(selector):
+    """named_modules() names the root ''; it was refused by name and silently skipped by
+    a type or callable that matched only it."""
+    layer = nn.Linear(16, 16)
+    ampkit.keep_fp32(layer, selector)
+    from ampkit.keep import kept_names
+    assert kept_names(layer) == [""]
+    x = torch.randn(4, 16)
+    with ampkit.autocast("cpu", dtype=BF16):
+        out = layer(x)
+    assert out.dtype == F32 and torch.equal(out, torch.nn.functional.linear(x, layer.weight,
+                                                                           layer.bias))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_kept_root_trains_the_whole_model_in_fp32_under_every_level(level):
+    model, reference = Net(), Net()
+    ampkit.keep_fp32(model, "")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, half_dtype=F16, verbosity=0)
+    x = torch.randn(4, 16)
+    assert all(p.dtype == F32 for p in model.parameters())
+    out = model(x)
+    assert out.dtype == F32 and torch.equal(out, reference(x))
+    with pytest.raises(ValueError, match=r"root module \(''\) of a model whose forward"):
+        ampkit.keep_fp32(ampkit.initialize(Net(), opt_level="O1", verbosity=0), "")
+
+
+def test_a_container_whose_children_were_cast_is_refused_unchanged():
+    """Only the container's own parameters were checked: its half children then got fp32
+    inputs and the next forward raised a dtype mismatch."""
+    model = Net()
+    model = ampkit.initialize(model, opt_level="O2", half_dtype=BF16, verbosity=0)
+    with pytest.raises(ValueError, match=r"module 'body' already has half parameters "
+                                         r"\('body.0.weight'"):
+        ampkit.keep_fp32(model, "body")
+    from ampkit.keep import kept_names
+    assert kept_names(model) == [] and model(torch.randn(2, 16)).dtype == F32
+
+
+@pytest.mark.parametrize("new", [[], ["body.1"]], ids=["cleared", "replaced"])
+def test_a_module_kept_fp32_in_a_half_model_cannot_leave_the_selection(new):
+    """Its hooks were removed while its parameters stayed fp32: half inputs then met fp32
+    weights in the next forward."""
+    model = ampkit.initialize(Net(), opt_level="O2", half_dtype=BF16, verbosity=0,
+                              keep_fp32=["head"])
+    with pytest.raises(ValueError, match=r"module 'head' keeps fp32 parameters in a half "
+                                         r"model .* valid: a selection that still holds it"):
+        ampkit.keep_fp32(model, new)
+    from ampkit.keep import kept_names
+    assert kept_names(model) == ["head"] and model(torch.randn(2, 16)).dtype == F32
+    ampkit.keep_fp32(model, ["head", "body.1"])  # adding fp32-clean modules stays allowed
+    assert kept_names(model) == ["body.1", "head"]
+
+
+def test_a_module_instance_is_not_taken_for_a_callable_selector():
+    model = Net()
+    with pytest.raises(TypeError, match=r"Linear\(in_features=32.* is not a module selector"):
+        ampkit.keep_fp32(model, model.head)

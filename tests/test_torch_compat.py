@@ -318,6 +318,29 @@ def _local_slots() -> None:
     _check("local_buffers", model.buf.item() == 0, "writing a buffer slot does not set the buffer")
 
 
+def _move_hooks() -> None:
+    seen = []
+    old, new = nn.Linear(2, 2), nn.Linear(2, 2)
+    handles = [old.register_forward_pre_hook(lambda m, a: seen.append(("pre", m))),
+               old.register_forward_hook(lambda m, a, o: seen.append(("fwd", m)),
+                                         always_call=True),
+               old.register_full_backward_hook(lambda m, gi, go: seen.append(("bwd", m))),
+               tc.register_state_dict_post_hook(old, lambda m, sd, p, meta: seen.append(("sd", m))),
+               tc.register_load_state_dict_pre_hook(old, lambda m, *rest: seen.append(("load", m)))]
+    tc.move_hooks(old, new)
+    del old  # torch holds a load hook's module weakly: it must now be new
+    new(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    new.load_state_dict(new.state_dict())
+    _check("move_hooks", [kind for kind, m in seen if m is new] == ["pre", "fwd", "bwd", "sd", "load"],
+           f"hooks seen on the new module: {seen}")
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    new(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    new.load_state_dict(new.state_dict())
+    _check("move_hooks", not seen, f"the old handles did not remove the moved hooks: {seen}")
+
+
 def _after_apply() -> None:
     params = tuple(inspect.signature(nn.Module._apply).parameters)[1:]
     _check("AfterApply", params == ("fn", "recurse"), f"nn.Module._apply takes {params}, not "
@@ -392,7 +415,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
     "local_parameters": _local_slots, "local_buffers": _local_slots, "local_modules": _local_slots,
-    "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
+    "move_hooks": _move_hooks, "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
     "scaled_mm": _scaled_mm,
     "cpu_capabilities": _cpu_capabilities,
 }

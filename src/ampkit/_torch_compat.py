@@ -28,6 +28,7 @@ import functools
 import importlib
 import re
 import types
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -53,7 +54,7 @@ __all__ = [
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
-    "local_buffers", "local_modules", "AfterApply", "BatchNormBase",
+    "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
     # distributed
     "fsdp2",
     # fp8 and hardware
@@ -264,6 +265,33 @@ def local_modules(module: nn.Module) -> dict[str, Optional[nn.Module]]:
     """
     return module._modules
 
+
+# Every per-module hook table of nn.Module (torch 2.5-2.13); a table a torch lacks is skipped.
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+                "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                "_load_state_dict_post_hooks")
+
+
+def move_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the hooks registered on ``old``, which it replaces.
+
+    ``new`` takes ``old``'s hook tables themselves (not copies), so the handles
+    returned when they were registered still remove them. The tables are private
+    attributes of nn.Module (stable since 2.0; ``_forward_hooks_always_called`` since 2.1).
+    A hook torch registered with its module (load-state-dict pre-hooks: torch's private
+    ``_WrappedHook``, holding the module weakly) is bound to ``new`` instead.
+    """
+    for table in _HOOK_TABLES:
+        if table not in old.__dict__:
+            continue
+        hooks = old.__dict__[table]
+        setattr(new, table, hooks)
+        for hook in hooks.values() if isinstance(hooks, dict) else ():
+            owner = getattr(hook, "module", None)
+            if getattr(hook, "with_module", False) and callable(owner) and owner() is old:
+                hook.module = weakref.ref(new)
 
 
 class AfterApply(nn.Module):

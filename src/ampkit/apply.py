@@ -252,8 +252,11 @@ def _apply(p: Plan) -> None:
     # masters start from them, not from the half values rounded from them.
     fp32_values = {id(param): param.data for param in params if param.dtype == torch.float32}
     for model in p.models:
+        # A kept root runs the whole forward in fp32 under its own hooks: no casts around it.
+        root_kept = "" in keep.kept_names(model)
         convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_types,
-                      keep_modules=keep.kept_modules(model), casts=casts)
+                      keep_modules=keep.kept_modules(model),
+                      casts=ForwardCasts() if root_kept else casts)
     for optimizer in p.optimizers:
         masters = wrap(optimizer, master_weights=policy.master_weights).masters
         if masters is not None:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree, iter_tensors
+from .convert import conversion_of
 
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
 Modules = Union[Selector, Sequence[Selector]]
@@ -64,14 +65,45 @@ def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"keep_fp32 takes a torch.nn.Module, got {type(model).__name__} {model!r}")
     names = select(model, modules)
-    half = [n for n in names for p in model.get_submodule(n).parameters(recurse=False)
-            if p.dtype in HALF_DTYPES]
-    if half:
-        raise ValueError(f"module {half[0]!r} already has half parameters (initialize ran); "
-                         "valid: call keep_fp32 before ampkit.initialize, or pass "
-                         "initialize(..., keep_fp32=...)")
+    _check_change(model, kept_names(model), names)
     install(model, names)
     return model
+
+
+def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None:
+    """Refuse a selection the model's current precision cannot follow (after initialize).
+
+    Newly selected modules must still be fp32 throughout (their children too), and the
+    root cannot join once a conversion runs the whole forward in its casts or autocast
+    region. A module that initialize kept fp32 inside a half model cannot leave the
+    selection: its fp32 parameters would get half inputs.
+    """
+    added = [n for n in after if n not in before]
+    for name in added:
+        half = next((f"{name}.{p}".strip(".") for p, t in
+                     model.get_submodule(name).named_parameters() if t.dtype in HALF_DTYPES), None)
+        if half is not None:
+            raise ValueError(f"keep_fp32: module {name!r} already has half parameters ({half!r}: "
+                             "initialize cast it); valid: call keep_fp32 before "
+                             "ampkit.initialize, or pass initialize(..., keep_fp32=...)")
+    if "" in added:
+        handle = conversion_of(model)
+        if handle is not None and handle.casts is not None and handle.casts.active:
+            raise ValueError("keep_fp32: the root module ('') of a model whose forward "
+                             "ampkit.initialize already casts cannot be selected; valid: select "
+                             "it before ampkit.initialize, or pass initialize(..., keep_fp32=[''])")
+    covered = [model.get_submodule(n) for n in after]
+    if not any(p.dtype in HALF_DTYPES for p in model.parameters()):
+        return
+    for name in before:
+        module = model.get_submodule(name)
+        if any(module is sub for outer in covered for sub in outer.modules()):
+            continue
+        if any(p.is_floating_point() and p.dtype not in HALF_DTYPES for p in module.parameters()):
+            raise ValueError(
+                f"keep_fp32: module {name!r} keeps fp32 parameters in a half model (initialize "
+                "ran while it was selected), so it cannot leave the selection: it would get "
+                f"half inputs; valid: a selection that still holds it, e.g. {sorted(set(after) | {name})}")
 
 
 def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[str]:
@@ -81,12 +113,12 @@ def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[s
     real module names.
     """
     selectors = as_selectors(modules)
-    named = [(name, module) for name, module in model.named_modules() if name]
+    named = list(model.named_modules())  # the root first, named ""
     chosen: set[str] = set()
     for selector in selectors:
         hits = {name for name, module in named if _matches(selector, name, module)}
         if strict and not hits and isinstance(selector, str):
-            examples = ", ".join(repr(name) for name, _ in named[:6]) or "none (no submodules)"
+            examples = ", ".join(repr(name) for name, _ in named[1:7]) or "'' (the root; no submodules)"
             raise ValueError(f"keep_fp32: {_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or patterns over "
                              f"model.named_modules(), e.g. {examples}")
@@ -99,7 +131,7 @@ def as_selectors(modules: Modules) -> list[Selector]:
     items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
     for item in items:
         ok = isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
-        if not ok and not (callable(item) and not isinstance(item, type)):
+        if not ok and not (callable(item) and not isinstance(item, (type, nn.Module))):
             raise TypeError(f"keep_fp32: {item!r} is not a module selector; valid: a module "
                             "name or fnmatch pattern (str), an nn.Module subclass, or a "
                             "callable (name, module) -> bool")

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .._torch_compat import local_modules
+from .._torch_compat import local_modules, move_hooks
 from ..keep import kept_modules
 from .config import Float8Config, Recipe
 from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
@@ -89,7 +89,9 @@ def convert_to_fp8(model: nn.Module, *,
     accepted by ``module_filter``. Skipped layers stay as they are and are reported on
     the ``ampkit.fp8`` logger (INFO), one line each with the reason. The new layers share
     the old Parameters, so state_dict keys and dtypes, optimizers and tied weights are
-    unchanged. Everything is checked before the first swap.
+    unchanged, and they take over the old layers' hooks (the user's, and the fp32
+    state-dict hooks of an earlier O2/O3 ``initialize``). Everything is checked before
+    the first swap.
 
     Args:
         model: the model; a bare nn.Linear is returned converted (it cannot be swapped
@@ -127,6 +129,8 @@ def convert_to_fp8(model: nn.Module, *,
     for parent, name, linear in swaps:
         if id(linear) not in converted:
             converted[id(linear)] = Float8Linear.from_linear(linear, config)
+            # initialize's fp32 state-dict hooks (O2/O3) and the user's own hooks go along.
+            move_hooks(linear, converted[id(linear)])
         setattr(parent, name, converted[id(linear)])
     for fqn, reason in skips:
         logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
