@@ -590,15 +590,33 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
                      "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
     assert [(v["loss_scale"], v["unskipped"]) for v in state_dict().values()] == [(1024.0, 7),
                                                                                  (8.0, 0)]
-    with pytest.raises(ValueError, match=r"has keys \['loss_scaler0'\]; valid: exactly "
-                                         r"\['loss_scaler0', 'loss_scaler1'\]"):
-        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
     with pytest.raises(ValueError, match=r"state_dict\['loss_scaler1'\] is 3; valid: a dict"):
         load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": 3})
     with pytest.raises(ValueError, match=r"scale=-1.0 is out of range"):
         load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
                          "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
     assert _scale(0) == 1024.0  # nothing loaded from the rejected dicts
+
+
+def test_load_state_dict_with_another_loss_count_warns_and_loads_in_order_as_apex():
+    """It was refused: apex warned and loaded the entries it had scalers for, so a run
+    resumed with another num_losses kept going."""
+    initialize(_model(), opt_level="O1", num_losses=2)
+    with pytest.warns(UserWarning, match=r"1 loss scaler\(s\) \['loss_scaler0'\], initialize "
+                                         r"has num_losses=2: loading the first 1 in order"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 5}})
+    assert [(v["loss_scale"], v["unskipped"]) for v in state_dict().values()] == [
+        (2.0, 5), (65536.0, 0)]
+    with pytest.warns(UserWarning, match=r"loading the first 2 in order"):
+        load_state_dict({f"loss_scaler{i}": {"loss_scale": 4.0 * (i + 1), "unskipped": i}
+                         for i in range(3)})
+    assert [(v["loss_scale"], v["unskipped"]) for v in state_dict().values()] == [
+        (4.0, 0), (8.0, 1)]
+    with pytest.raises(ValueError, match=r"key 'loss_scaler2' among .*valid: 'loss_scaler0' "
+                                         r"\.\. 'loss_scaler<k-1>'"):
+        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                         "loss_scaler2": {"loss_scale": 2.0, "unskipped": 0}})
+    assert _scale(0) == 4.0
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -730,3 +748,87 @@ def test_amp_state_round_trips_without_initialize():
     load_state_dict(state_dict())  # a plain run that saves and reloads amp state
     with pytest.raises(RuntimeError, match="initialize"):
         load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
+
+
+# --- found by running apex programs against the contract (2026-12-01) -------------------------
+
+def _accumulated_master_grads(level: str, zero: str) -> list[torch.Tensor]:
+    """Three identical windows of two micro-batches (the first delayed), lr 0: the grads
+    each step sees, flattened."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
+    seen = []
+    for _ in range(3):
+        for micro in range(2):
+            with scale_loss(_loss(model, 0), optimizer, delay_unscale=micro == 0) as scaled:
+                scaled.backward()
+        seen.append(torch.cat([p.grad.flatten() for p in master_params(optimizer)]))
+        optimizer.step()
+        model.zero_grad() if zero == "model" else optimizer.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_delayed_accumulation_with_model_zero_grad_unscales_every_window(level):
+    """A stale 'grads are unscaled' flag (reset only by the optimizer's zero_grad) made the
+    second window add its delayed micro-batch still scaled: grads 3e4 times too large."""
+    seen = _accumulated_master_grads(level, "model")
+    assert torch.equal(seen[1], seen[0]) and torch.equal(seen[2], seen[0])
+    assert all(torch.equal(a, b) for a, b in zip(seen, _accumulated_master_grads(level, "opt")))
+
+
+@pytest.mark.parametrize("overflowing", [(0, 1), (0,)], ids=["both", "delayed-only"])
+def test_fused_o2_accumulation_skips_an_overflow_in_any_micro_batch(overflowing):
+    """Two overflow flags were summed to 2.0, and fused kernels skip only on 1.0: the step
+    ran and wrote inf/NaN into the params and Adam's state."""
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in master_params(optimizer)]
+    optimizer.zero_grad()
+    for micro in range(2):
+        loss = _loss(model, micro) * (float("inf") if micro in overflowing else 1.0)
+        with scale_loss(loss, optimizer, delay_unscale=micro == 0) as scaled:
+            scaled.backward()
+    optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, m) for a, m in zip(masters, master_params(optimizer)))
+    assert all(not s or s["step"].item() == 0 for s in optimizer.state.values())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o3_recasts_the_state_an_optimizer_already_has(dtype):
+    """A resumed fp32 Adam state stayed fp32 beside half params; apex reloaded the state
+    dict to recast it, and step() raised a dtype mismatch here."""
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    initialize(model, optimizer, opt_level="O3", half_dtype=dtype)
+    state = optimizer.state[model.weight]
+    assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype, state["step"].dtype) == (
+        dtype, dtype, torch.float32)
+    optimizer.zero_grad()
+    with scale_loss(model(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert state["step"].item() == 2 and model.weight.dtype == dtype
+
+
+def test_a_written_loss_scale_is_used_as_written_outside_the_bounds():
+    """Writes were clamped into [min, max] (and the fp16 floor of 1): apex's _loss_scale
+    is a plain attribute, the value written is the one scale_loss uses."""
+    from ampkit.frontend.state import _amp_state
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.float16)
+    for value in (2.0**30, 0.25):
+        _amp_state.loss_scalers[0]._loss_scale = value
+        loss = _loss(model, 0)
+        with scale_loss(loss, optimizer) as scaled:
+            assert _amp_state.loss_scalers[0]._loss_scale == value
+            assert torch.equal(scaled, loss.float() * value)
+            scaled.backward()
+        optimizer.zero_grad()

@@ -700,3 +700,50 @@ def test_update_dispatches_no_more_device_ops_than_torchs():
                 scaler.update()
         counts.append(Count.n)
     assert counts[1] <= counts[0] + 1  # torch: 1 (the update kernel); ampkit adds the clamp
+
+
+# --- found by differential testing against torch.amp.GradScaler (2026-12-01) -------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
+def test_cuda_without_a_gpu_disables_before_checking_settings_as_torch_does(device):
+    """A setting torch never checks once it has disabled itself raised here: a script that
+    runs under torch on a CPU-only machine failed under ampkit."""
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        reference = torch.amp.GradScaler("cuda", growth_factor=0.5)
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        scaler = GradScaler(device, growth_factor=0.5)
+    assert scaler.is_enabled() is reference.is_enabled() is False
+
+
+def test_update_from_keeps_the_flags_a_caller_reuses():
+    """The skip counters kept references to the caller's flag and read it later: zeroing
+    it for the next step erased the skips already counted."""
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    found = torch.zeros(())
+    for overflow in [1, 0, 0, 1, 0]:
+        found.zero_()
+        grad = torch.tensor([1.0, math.inf if overflow else 2.0, 3.0])
+        unscale_grads_([grad], scaler.inverse_scale(), found)
+        scaler.update_from(found)
+    assert scaler.stats() == ScalerStats(scale=2.0, steps=5, skipped_steps=2, consecutive_skips=0)
+
+
+def test_unscale_goes_through_the_unscale_grads_hook_a_subclass_overrides():
+    """torch's unscale_ calls _unscale_grads_ (ShardedGradScaler-style subclasses override
+    it); ampkit's bypassed it, so an override was silently ignored."""
+    calls = {}
+    for base in (torch.amp.GradScaler, GradScaler):
+        class Counting(base):
+            def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=False):
+                calls[base] = calls.get(base, 0) + 1
+                return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = Counting("cpu")
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+    assert calls == {torch.amp.GradScaler: 1, GradScaler: 1}

@@ -89,6 +89,8 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         stash.masters.adopt_param_groups(optimizer.param_groups)
         _rebind_state(optimizer, stash.masters)
         _refuse_orphans_once()
+    else:
+        _recast_state(optimizer)
     setattr(optimizer, ATTR, stash)
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
@@ -112,6 +114,21 @@ def _rebind_state(optimizer: torch.optim.Optimizer, masters: MasterWeights) -> N
             state = optimizer.state.pop(param)
             optimizer.state[master] = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
                                            and v.dim() > 0 else v) for k, v in state.items()}
+
+
+@torch.no_grad()
+def _recast_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give state a cast parameter already has (a resumed optimizer, O3) the parameter's
+    dtype, as torch's ``load_state_dict`` would ("step" keeps its own), so the next step
+    does not mix dtypes. apex's initialize reloaded the state dict for this.
+    """
+    for param, state in optimizer.state.items():
+        if not (torch.is_tensor(param) and param.is_floating_point()):
+            continue
+        for key, value in state.items():
+            if (key != "step" and torch.is_tensor(value) and value.is_floating_point()
+                    and value.dtype != param.dtype):
+                state[key] = value.to(param.dtype)
 
 
 # --- the wrapper --------------------------------------------------------------------------

@@ -95,6 +95,13 @@ def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
             "rate, or train in bf16)", RuntimeWarning, stacklevel=3)
 
 
+def _names_cuda(device: Any) -> bool:
+    """Whether a ``device`` argument names CUDA ("cuda", "cuda:1", a torch.device)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.strip().lower().split(":")[0] == "cuda"
+
+
 def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"]
             if p.grad is not None]
@@ -163,6 +170,11 @@ class GradScaler:
                  min_scale: Optional[float] = None, max_scale: Optional[float] = None,
                  hysteresis: int = 1, process_group: Any = None) -> None:
         self._enabled = _enabled(enabled)
+        if self._enabled and _names_cuda(device) and not torch.cuda.is_available():
+            # torch disables itself here, before it checks any setting: so does this class
+            warnings.warn("ampkit.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                          stacklevel=2)
+            self._enabled = False
         try:
             self._configure(device, init_scale, growth_factor, backoff_factor, growth_interval,
                             min_scale, max_scale, hysteresis, process_group)
@@ -173,10 +185,6 @@ class GradScaler:
             # with settings that only matter when enabled): accept what it accepts.
             self._configure(device if isinstance(device, str) else None, 2.0**16, 2.0, 0.5,
                             2000, None, None, 1, None, check_device=False)
-        if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
-            warnings.warn("ampkit.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                          stacklevel=2)
-            self._enabled = False
         self._init_growth_tracker = 0
         self._init_skipped_steps = 0
         self._init_consecutive_skips = 0
@@ -262,13 +270,33 @@ class GradScaler:
         """The scale as a device tensor (None before the first ``scale``); no host sync."""
         return self._scale
 
-    def update_from(self, found_inf: Tensor) -> None:
+    def update_from(self, found_inf: Tensor, *, handed_over: bool = False) -> None:
         """One iteration's update from a combined found-inf flag (what ``update`` applies):
         all-reduced over ``process_group``, counted, backoff/growth, clamp. No host sync.
 
+        The skip counters read the flag later (see :meth:`stats`), so a copy is kept, one
+        device op; ``handed_over=True`` promises that nothing writes to ``found_inf``
+        again (a fresh flag per step) and keeps the tensor itself.
+
         Example: ``unscale_grads_(grads, scaler.inverse_scale(), found); scaler.update_from(found)``.
         """
+        if not handed_over and self._enabled:
+            found_inf = found_inf.clone()
         self._apply_update(found_inf)
+
+    def set_scale(self, scale: float) -> None:
+        """Make ``scale`` the current scale as given, in (0, float32 max], also outside
+        [min_scale, max_scale]: the bounds apply again from the next update. What apex's
+        writes to ``LossScaler._loss_scale`` did (``ampkit._amp_state`` uses it). No-op
+        when disabled.
+        """
+        value = _in_range("scale", scale, 0.0, F32_MAX, low_open=True)
+        if not self._enabled:
+            return
+        if self._scale is None:
+            self._init_scale = value
+        else:
+            self._scale.fill_(value)
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise as ``load_state_dict`` would, without loading anything."""
@@ -335,8 +363,8 @@ class GradScaler:
     def _record_found_inf(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor) -> None:
         scale = self._scale
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        grads = self._grads_to_unscale(optimizer)
-        per_device = unscale_per_device(grads, inv_scale, found_inf)
+        # Through torch's hook, as torch's unscale_ does, so a subclass's override runs.
+        per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, True)
         fold_into(found_inf, per_device)
         self._sync_found_inf(found_inf)
         state = self._per_optimizer_states[id(optimizer)]
@@ -376,8 +404,10 @@ class GradScaler:
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor,
                         found_inf: Tensor, allow_fp16: bool = True) -> dict[torch.device, Tensor]:
-        """torch's private hook, kept for subclasses; fp16 is accepted whatever ``allow_fp16``."""
-        return unscale_per_device(_optimizer_grads(optimizer), inv_scale, found_inf)
+        """torch's private hook, which ``unscale_`` calls (subclasses may override it):
+        the optimizer's grads (its masters' under O2) unscaled, one found-inf per device.
+        fp16 is accepted whatever ``allow_fp16``."""
+        return unscale_per_device(self._grads_to_unscale(optimizer), inv_scale, found_inf)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and call ``optimizer.step`` if no inf/NaN was found.

@@ -121,7 +121,9 @@ class _ScaleLoss:
             return False
         for stash in stashes:
             if stash.pending_found_inf is not None:
-                found_inf.add_(stash.pending_found_inf.to(found_inf.device))
+                # A flag stays 0 or 1: fused kernels skip only on found_inf == 1.0.
+                torch.maximum(found_inf, stash.pending_found_inf.to(found_inf.device),
+                              out=found_inf)
                 stash.pending_found_inf = None
         if amp.dynamic and not self.delay_overflow_check:
             _update(amp, scaler, found_inf, self.opts, stashes, self.loss_id)
@@ -203,8 +205,9 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
         _unscale_grads(own, inv_scale, found_inf, [])
     if holding:
         held.add_back(own=True, half=False)
-    if not delay:
-        stash.grads_unscaled = True
+    # What the optimizer's own grads now hold; a delayed exit leaves them scaled. Set on
+    # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
+    stash.grads_unscaled = not delay
 
 
 def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
@@ -224,7 +227,7 @@ def _unscale_grads(own: list[Tensor], inv_scale: Tensor, found_inf: Tensor,
 
 def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
             optimizers: list[torch.optim.Optimizer], stashes: list[AmpStash], loss_id: int) -> None:
-    scaler.update_from(found_inf)
+    scaler.update_from(found_inf, handed_over=True)  # a fresh flag per call
     fused = True
     for optimizer in optimizers:
         fused = fused and getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -61,14 +62,30 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"amp state_dict must be a dict such as ampkit.state_dict() returns, got "
                         f"{type(state).__name__} {state!r}; valid: a dict with keys {expected}")
-    if sorted(state) != sorted(expected):
-        raise ValueError(f"amp state_dict has keys {sorted(state)}; valid: exactly {expected} "
-                         f"(num_losses={len(amp.scalers)} in initialize)")
-    full = [_scaler_state(key, state[key], scaler) for key, scaler in zip(expected, amp.scalers)]
-    for scaler, entry in zip(amp.scalers, full):
+    keys = _scaler_keys(state, expected)
+    if len(keys) != len(expected):
+        # apex warned and loaded the entries in order (resuming with another num_losses)
+        warnings.warn(f"amp state_dict has {len(keys)} loss scaler(s) {keys}, initialize has "
+                      f"num_losses={len(expected)}: loading the first "
+                      f"{min(len(keys), len(expected))} in order, as apex did", stacklevel=2)
+    pairs = list(zip(keys, amp.scalers))
+    full = [_scaler_state(key, state[key], scaler) for key, scaler in pairs]
+    for (_, scaler), entry in zip(pairs, full):
         scaler.check_state_dict(entry)  # validates: every entry before any scaler changes
-    for scaler, entry in zip(amp.scalers, full):
+    for (_, scaler), entry in zip(pairs, full):
         scaler.load_state_dict(entry)
+
+
+def _scaler_keys(state: dict, expected: list[str]) -> list[str]:
+    """The keys ``loss_scaler0`` .. ``loss_scaler<k-1>`` of an amp state dict, in order;
+    any other key (a gap in the numbering too) is refused, naming it."""
+    keys = [f"loss_scaler{i}" for i in range(len(state))]
+    for key in state:
+        if key not in keys:
+            raise ValueError(f"amp state_dict has key {key!r} among {sorted(state, key=str)}; "
+                             f"valid: 'loss_scaler0' .. 'loss_scaler<k-1>', one per loss, here "
+                             f"{expected} (num_losses={len(expected)} in initialize)")
+    return keys
 
 
 def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
@@ -105,7 +122,8 @@ class _LossScaler:
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
         scale = check_positive("_loss_scale", value)
-        self._set(scale=scale)
+        # As written, as in apex: min/max_loss_scale bound the later updates, not this.
+        self._scaler.set_scale(scale)
         if scale != 1.0:
             self._amp.scaling = True  # a fixed 1.0 becomes a real scale: scale_loss applies it
 
