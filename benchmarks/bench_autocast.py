@@ -5,20 +5,22 @@ and the time of a small op inside a region (unregistered op: must equal torch's)
 Interleaves the two contexts in rounds and takes medians, so drift hits both alike.
 
     PYTHONPATH=src python3 benchmarks/bench_autocast.py [--device cpu] [--json out/autocast.json]
+
+The JSON is rewritten after each case (a case that raises is an error row); an
+interrupt (SIGINT/SIGTERM) writes what was measured and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 import ampkit
+from _incremental import error_fields, interrupted, write_json
 
 
 def _time_per_call(fn: Callable[[], object], calls: int) -> float:
@@ -45,7 +47,8 @@ def _op_inside(ctx_factory: Callable[[], object], a: torch.Tensor, b: torch.Tens
     return run
 
 
-def measure(device: str, dtype: torch.dtype, rounds: int, calls: int) -> dict:
+def measure(device: str, dtype: torch.dtype, rounds: int, calls: int,
+            on_row: Optional[Callable[[str, dict], None]] = None) -> dict:
     torch_ctx = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
     amp_ctx = lambda: ampkit.autocast(device, dtype=dtype)  # noqa: E731
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -56,14 +59,25 @@ def measure(device: str, dtype: torch.dtype, rounds: int, calls: int) -> dict:
                                     max(calls // 50, 20))}
     out = {}
     for name, (torch_fn, amp_fn, n) in cases.items():
-        torch_fn(), amp_fn()  # warm up
-        t_us, a_us = [], []
-        for _ in range(rounds):
-            t_us.append(_time_per_call(torch_fn, n))
-            a_us.append(_time_per_call(amp_fn, n))
-        t, a_ = statistics.median(t_us), statistics.median(a_us)
-        out[name] = {"torch_us": t, "ampkit_us": a_, "ratio": a_ / t}
+        try:
+            torch_fn(), amp_fn()  # warm up
+            t_us, a_us = [], []
+            for _ in range(rounds):
+                t_us.append(_time_per_call(torch_fn, n))
+                a_us.append(_time_per_call(amp_fn, n))
+            t, a_ = statistics.median(t_us), statistics.median(a_us)
+            out[name] = {"torch_us": t, "ampkit_us": a_, "ratio": a_ / t}
+        except Exception as err:  # noqa: BLE001 - a failing case is recorded, not fatal
+            out[name] = error_fields(err)
+        if on_row:
+            on_row(name, out[name])
     return out
+
+
+def _row_text(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name:<22}  FAILED: {r['error'][:100]}"
+    return f"{name:<22}{r['torch_us']:>13.2f} us{r['ampkit_us']:>14.2f} us{r['ratio']:>8.3f}"
 
 
 def main() -> None:
@@ -78,17 +92,26 @@ def main() -> None:
     if args.quick:
         args.rounds, args.calls = 3, 2000
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    results = measure(args.device, dtype, args.rounds, args.calls)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": args.device,
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "dtype": args.dtype, "rounds": args.rounds, "calls": args.calls}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+    document: dict = {"meta": meta, "results": {}}
     print(f"autocast cost, {meta['device_name']}, torch {meta['torch']}, {args.dtype}")
-    print(f"{'case':<22}{'torch.autocast':>16}{'ampkit.autocast':>17}{'ratio':>8}")
-    for name, r in results.items():
-        print(f"{name:<22}{r['torch_us']:>13.2f} us{r['ampkit_us']:>14.2f} us{r['ratio']:>8.3f}")
+    print(f"{'case':<22}{'torch.autocast':>16}{'ampkit.autocast':>17}{'ratio':>8}", flush=True)
+
+    def on_row(name: str, row: dict) -> None:
+        document["results"][name] = row
+        write_json(args.json, document)
+        print(_row_text(name, row), flush=True)
+
+    def save() -> None:
+        document["meta"]["interrupted"] = True
+        write_json(args.json, document)
+
+    with interrupted(save, "bench_autocast"):
+        measure(args.device, dtype, args.rounds, args.calls, on_row)
+    write_json(args.json, document)
+    print(f"full results: {args.json}")
 
 
 if __name__ == "__main__":

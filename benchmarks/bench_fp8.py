@@ -14,7 +14,19 @@ step, median of ``--iters`` (20); peak memory from torch.cuda.max_memory_allocat
 after a reset. On CPU the emulated path runs and perf_counter times it: a smoke test,
 not a speed measurement. Ratios compare variants within this one run.
 
+On CUDA the models are converted on the device with ``Float8Config(emulate=False)`` (a
+GPU without fp8 tensor cores fails the ampkit rows rather than timing emulation), and
+each ampkit row records ``fp8_native``: whether every Float8Linear ran on fp8 tensor
+cores. Inductor's GEMM backends are ATEN only (``--gemm-backends``; torch 2.11 otherwise
+autotunes Triton templates for ``_scaled_mm`` on big GPUs even without max-autotune), so
+compiled rows call cuBLAS like the eager ones and compile in seconds.
+
+The JSON is rewritten after every GEMM shape and model row; a case that raises is an
+error entry and the next one runs; an interrupt (SIGINT/SIGTERM) writes what was
+measured and exits 130.
+
     PYTHONPATH=src python3 benchmarks/bench_fp8.py [--only gemm,mlp,gpt] [--variants ...]
+    PYTHONPATH=src python3 benchmarks/bench_fp8.py --only gemm --json out/fp8_gemm.json
     PYTHONPATH=src python3 benchmarks/bench_fp8.py --quick --device cpu   # smoke test
 """
 
@@ -22,18 +34,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+# Before torch: inductor reads this when its config is first imported (main() sets the
+# config too, from --gemm-backends).
+os.environ.setdefault("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS", "ATEN")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
@@ -41,7 +55,9 @@ from ampkit._torch_compat import dynamo_reset  # noqa: E402
 from ampkit import _measure as harness  # noqa: E402
 from ampkit.fp8 import Float8Config, convert_to_fp8  # noqa: E402
 from ampkit.fp8.linear import fp8_mm  # noqa: E402
+from ampkit.fp8.linear import Float8Linear  # noqa: E402
 from ampkit.fp8.scaling import E4M3, quantize  # noqa: E402
+from _incremental import error_fields, interrupted, write_json  # noqa: E402
 
 try:  # the reference implementation; brought along as a wheel on the GPU machine
     import torchao
@@ -115,15 +131,38 @@ def gemm_cases(m: int, k: int, n: int, device: torch.device, native: bool,
 
 
 def run_gemms(shapes: list, device: torch.device, native: bool, compile_fn: Callable,
-              timer: Timer, warmup: int, iters: int) -> list[dict]:
+              timer: Timer, warmup: int, iters: int,
+              on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """One row per shape; a case that raises goes to the row's "errors" (name: message)
+    and the others are still timed; ``on_row(row)`` after each shape."""
     rows = []
     for m, k, n in shapes:
-        cases = gemm_cases(m, k, n, device, native, compile_fn)
-        times = {name: timer.measure(fn, warmup, iters)["ms"] for name, fn in cases.items()}
+        times: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        try:
+            cases = gemm_cases(m, k, n, device, native, compile_fn)
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory making the operands
+            cases, errors["setup"] = {}, error_fields(err)["error"]
+        for name, fn in cases.items():
+            try:
+                times[name] = timer.measure(fn, warmup, iters)["ms"]
+            except Exception as err:  # noqa: BLE001 - a failing case is recorded, not fatal
+                errors[name] = error_fields(err)["error"]
         flop = 2.0 * m * k * n
-        rows.append({"shape": [m, k, n], "ms": times,
-                     "tflops": {name: flop / (t * 1e-3) / 1e12 for name, t in times.items()},
-                     "speedup_vs_bf16": {name: times["bf16"] / t for name, t in times.items()}})
+        base = times.get("bf16")
+        row = {"shape": [m, k, n], "ms": times,
+               "tflops": {name: flop / (t * 1e-3) / 1e12 for name, t in times.items()},
+               "speedup_vs_bf16": ({name: base / t for name, t in times.items()}
+                                   if base else {})}
+        if errors:
+            row["errors"] = errors
+        rows.append(row)
+        cells = "  ".join(f"{name} {t:.3f} ms" + (f" ({base / t:.2f}x)" if base else "")
+                          for name, t in times.items())
+        print(f"  gemm {str((m, k, n)):<22} {cells}"
+              + "".join(f"  [{name} FAILED: {e[:80]}]" for name, e in errors.items()), flush=True)
+        if on_row:
+            on_row(row)
         del cases
         free_memory()
     return rows
@@ -211,9 +250,11 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
 
 
 def prepare(variant: str, model: nn.Module, device: torch.device) -> nn.Module:
-    """Convert a fresh fp32 model for one variant (compilation is applied by the caller)."""
+    """Convert a fresh fp32 model, already on ``device``, for one variant (compilation is
+    applied by the caller). On CUDA ampkit converts with emulate=False: a GPU without fp8
+    tensor cores raises here (an error row) instead of timing the emulation."""
     base = variant.split("+")[0]
-    emulate = None if device.type == "cuda" else True
+    emulate = False if device.type == "cuda" else True
     if base.startswith("ampkit-"):
         recipe = base.split("-")[1]
         config = Float8Config(recipe, emulate=emulate, output_fast_accum=base.endswith("fastaccum"))
@@ -223,6 +264,19 @@ def prepare(variant: str, model: nn.Module, device: torch.device) -> nn.Module:
             raise RuntimeError(TORCHAO_NOTE)
         return convert_to_float8_training(model, module_filter_fn=fp8_filter)
     return model
+
+
+def fp8_backend(model: nn.Module) -> dict:
+    """How many layers run in fp8 and, for ampkit's, whether all of them ran natively
+    (``Float8Linear.native``: torch._scaled_mm on fp8 tensor cores, not emulated)."""
+    ampkit_layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    other = [m for m in model.modules()
+             if type(m).__name__ == "Float8Linear" and not isinstance(m, Float8Linear)]
+    if ampkit_layers:
+        return {"fp8_layers": len(ampkit_layers),
+                "fp8_native": all(m.native for m in ampkit_layers)}
+    # torchao's Float8Linear always calls torch._scaled_mm: native where it runs at all.
+    return {"fp8_layers": len(other), "fp8_native": None}
 
 
 def make_step(model: nn.Module, spec: ModelSpec, device: torch.device,
@@ -249,29 +303,37 @@ def make_step(model: nn.Module, spec: ModelSpec, device: torch.device,
 def run_variant(spec: ModelSpec, variant: str, device: torch.device, compile_fn: Callable,
                 timer: Timer, warmup: int, iters: int) -> dict:
     torch.manual_seed(0)
-    model = prepare(variant, spec.build(), device).to(device)
+    model = prepare(variant, spec.build().to(device), device)
     step, losses = make_step(model, spec, device, compile_fn if variant.endswith("+compile") else None)
     result = timer.measure(step, warmup, iters)
     result["loss_first"], result["loss_last"] = float(losses[0]), float(losses[-1])
+    result.update(fp8_backend(model))
     return result
 
 
 def run_models(specs: list[ModelSpec], variants: list[str], device: torch.device,
-               compile_fn: Callable, timer: Timer, warmup: int, iters: int) -> list[dict]:
-    rows = []
+               compile_fn: Callable, timer: Timer, warmup: int, iters: int,
+               rows: Optional[list[dict]] = None,
+               on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """One row per model and variant, appended to ``rows``; ``on_row(row)`` after each."""
+    rows = [] if rows is None else rows
     for spec in specs:
         for variant in variants:
             row = {"model": spec.name, "description": spec.description, "variant": variant}
             try:
                 row.update(run_variant(spec, variant, device, compile_fn, timer, warmup, iters))
             except Exception as err:  # noqa: BLE001 - a failing variant is recorded, not fatal
-                row["error"] = f"{type(err).__name__}: {err}"
-                row["traceback"] = traceback.format_exc(limit=6)
+                row.update(error_fields(err))
+            native = "" if row.get("fp8_native") is None else \
+                f"  fp8 {'native' if row['fp8_native'] else 'EMULATED'} ({row['fp8_layers']} layers)"
             print(f"  {spec.name:<4} {variant:<38} "
-                  + (f"{row['ms']:9.2f} ms" if "ms" in row else row["error"][:90]), flush=True)
+                  + (f"{row['ms']:9.2f} ms{native}" if "ms" in row else row["error"][:90]),
+                  flush=True)
             rows.append(row)
+            add_ratios([r for r in rows if r["model"] == spec.name])
+            if on_row:
+                on_row(row)
             free_memory()
-        add_ratios([r for r in rows if r["model"] == spec.name])
     return rows
 
 
@@ -293,11 +355,12 @@ def print_tables(gemms: list[dict], models: list[dict], meta: dict) -> None:
     print(f"\nfp8 benchmark, {meta['device_name']}, torch {meta['torch']}, {meta['torchao']}"
           + ("  [CPU: emulated fp8, smoke test only]" if meta["device"] == "cpu" else ""))
     if gemms:
-        names = list(gemms[0]["ms"])
+        names = list(dict.fromkeys(n for row in gemms for n in row["ms"]))
         print("\nGEMM (M,K,N)          " + "".join(f"{n:>26}" for n in names))
         for row in gemms:
-            cells = "".join(f"{row['ms'][n]:>10.3f} ms {row['speedup_vs_bf16'][n]:>5.2f}x"
-                            f" {row['tflops'][n]:>5.0f}T" for n in names)
+            cells = "".join(f"{row['ms'][n]:>10.3f} ms {row['speedup_vs_bf16'].get(n, float('nan')):>5.2f}x"
+                            f" {row['tflops'][n]:>5.0f}T" if n in row["ms"] else f"{'failed':>26}"
+                            for n in names)
             print(f"{str(tuple(row['shape'])):<22}{cells}")
     if models:
         print(f"\n{'model':<6}{'variant':<38}{'ms/step':>10}{'peak GiB':>10}"
@@ -324,6 +387,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backend", default=None,
                         help="torch.compile backend (default inductor; aot_eager for --quick on cpu)")
+    parser.add_argument("--gemm-backends", default="ATEN",
+                        help="inductor's max_autotune_gemm_backends (default ATEN: cuBLAS, no "
+                        "Triton GEMM templates to autotune; torch's own default ATEN,TRITON,CPP)")
     parser.add_argument("--json", default="out/bench_fp8.json")
     args = parser.parse_args(argv)
     bad = [v for v in args.variants.split(",") if v not in ALL_VARIANTS]
@@ -344,20 +410,34 @@ def main(argv: Optional[list[str]] = None) -> None:
     native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     compile_fn = lambda fn: torch.compile(fn, backend=args.backend)  # noqa: E731
     timer, only = Timer(device), args.only.split(",")
+    if args.backend == "inductor":
+        import torch._inductor.config as inductor_config
+        inductor_config.max_autotune_gemm_backends = args.gemm_backends
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
             "torchao": TORCHAO_NOTE, "device": device.type, "backend": args.backend,
+            "gemm_backends": args.gemm_backends if args.backend == "inductor" else None,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "native_fp8": native, "iters": args.iters, "warmup": args.warmup, "quick": args.quick}
-    print(f"bench_fp8: {meta['device_name']}, native fp8 {native}, backend {args.backend}", flush=True)
-    gemms = run_gemms(QUICK_GEMM_SHAPES if args.quick else GEMM_SHAPES, device, native,
-                      compile_fn, timer, args.warmup, args.iters) if "gemm" in only else []
-    specs = [spec(args.quick) for name, spec in (("mlp", mlp_spec), ("gpt", gpt_spec)) if name in only]
-    models = run_models(specs, args.variants.split(","), device, compile_fn, timer,
-                        args.warmup, args.iters)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "gemm": gemms, "models": models}, f, indent=2)
-    print_tables(gemms, models, meta)
+    print(f"bench_fp8: {meta['device_name']}, native fp8 {native}, backend {args.backend}, "
+          f"GEMM backends {meta['gemm_backends']}", flush=True)
+    document: dict = {"meta": meta, "gemm": [], "models": []}
+    save = lambda: write_json(args.json, document)  # noqa: E731
+
+    def save_interrupted() -> None:
+        document["meta"]["interrupted"] = True
+        save()
+
+    with interrupted(save_interrupted, "bench_fp8"):
+        if "gemm" in only:
+            run_gemms(QUICK_GEMM_SHAPES if args.quick else GEMM_SHAPES, device, native,
+                      compile_fn, timer, args.warmup, args.iters,
+                      on_row=lambda row: (document["gemm"].append(row), save()))
+        specs = [spec(args.quick) for name, spec in (("mlp", mlp_spec), ("gpt", gpt_spec))
+                 if name in only]
+        run_models(specs, args.variants.split(","), device, compile_fn, timer, args.warmup,
+                   args.iters, rows=document["models"], on_row=lambda row: save())
+    save()
+    print_tables(document["gemm"], document["models"], meta)
     print(f"\nfull results: {args.json}")
 
 

@@ -13,7 +13,13 @@ of ~5 us on a GPU) and host syncs. Measured per path, in one run:
   drift hits all alike; thread time, not wall time, so waiting for a busy machine's cores
   is not counted), 1 thread, tiny models, so the time is dispatch and Python rather than
   arithmetic; *× torch* is the median of the rounds' paired ratios, with its
-  distribution-free 95% interval;
+  distribution-free 95% interval. On CUDA a host sync (``.item()``: torch.amp's
+  GradScaler with a foreach optimizer reads found_inf every step) spin-waits on the CPU
+  for the GPU, so thread time then counts GPU time too: it is comparable between paths
+  only when both have 0 syncs per step (``host_us_comparable``, "*" in the table). CUDA
+  runs also record *wall us / step* (perf_counter, from an idle GPU until the GPU has
+  finished the round's steps) and *GPU us / step* (CUDA events around the round's steps);
+  the ratio columns stay thread-time ratios;
 - *peak B/param*: the most bytes of live tensors during a step (params, grads, masters,
   optimizer state and temporaries), per parameter.
 
@@ -22,13 +28,16 @@ torch-style loop (ampkit.autocast + ampkit.GradScaler), ampkit O1 and O2 through
 initialize + scale_loss, with AdamW foreach and fused, bf16.
 
     PYTHONPATH=src python3 benchmarks/bench_host.py [--rounds 30] [--device cuda] [--json out/bench_host.json]
+
+With --json the file is rewritten after each model/optimizer pair (a pair that raises is
+an error entry, and the next one runs); an interrupt (SIGINT/SIGTERM) writes what was
+measured and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -44,6 +53,7 @@ from ampkit._torch_compat import TorchDispatchMode  # noqa: E402
 import ampkit  # noqa: E402
 from ampkit import _state  # noqa: E402
 from ampkit._measure import LiveTensorBytes, median_interval  # noqa: E402
+from _incremental import error_fields, free_cuda, interrupted, write_json  # noqa: E402
 
 BF16 = torch.bfloat16
 # Where the models run (--device): on a GPU the thread's CPU time is the host's work per
@@ -205,22 +215,40 @@ def measure(model_name: str, kind: str, rounds: int, steps: int) -> dict[str, di
     model_fn = MODELS[model_name]
     steps_of = {name: _fresh(build, model_fn, kind) for name, build in PATHS.items()}
     times: dict[str, list[float]] = {name: [] for name in PATHS}
+    walls: dict[str, list[float]] = {name: [] for name in PATHS}
+    gpus: dict[str, list[float]] = {name: [] for name in PATHS}
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     names = list(steps_of)
     for turn in range(rounds):
         # Each round starts with another path, so no path always runs first (caches, clocks).
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             step = steps_of[name]
             _sync()
+            wall = time.perf_counter()
             start = time.thread_time_ns()
+            if cuda:
+                begin.record()
             for _ in range(steps):
                 step()
             times[name].append((time.thread_time_ns() - start) / steps / 1e3)
+            if cuda:
+                end.record()
+                _sync()
+                walls[name].append((time.perf_counter() - wall) / steps * 1e6)
+                gpus[name].append(begin.elapsed_time(end) / steps * 1e3)
     results = {}
     for name, build in PATHS.items():
         counter = count_ops(steps_of[name])
         results[name] = {"kernel_ops": counter.kernels, "syncs": counter.syncs,
                          "python_calls": count_python_calls(steps_of[name]),
                          "host_us": statistics.median(times[name]),
+                         "host_us_method": "time.thread_time_ns (this thread's CPU time)",
+                         # A CUDA sync spin-waits: thread time then includes GPU time.
+                         "host_us_comparable": not cuda or counter.syncs == 0,
+                         "wall_us": statistics.median(walls[name]) if cuda else None,
+                         "gpu_us": statistics.median(gpus[name]) if cuda else None,
                          "peak_bytes_per_param": peak_bytes_per_param(build, model_fn, kind),
                          "ops": dict(sorted(counter.names.items()))}
     ref = results["torch.amp"]
@@ -318,27 +346,61 @@ def main() -> None:
     torch.set_num_threads(1)
     report = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "device": str(DEVICE),
               "threads": torch.get_num_threads(), "results": {}}
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        report["host_us_note"] = ("host_us is this thread's CPU time; a CUDA host sync "
+                                  "spin-waits, so it counts GPU time for paths with syncs > 0: "
+                                  "compare host_us only where host_us_comparable (0 syncs); "
+                                  "wall_us and gpu_us are perf_counter and CUDA-event times")
     print(f"torch {torch.__version__}, {DEVICE}, {torch.get_num_threads()} thread, bf16, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     print(f"{'model':11} {'optim':7} {'path':19} {'ops':>5} {'Δops':>5} {'syncs':>5} "
-          f"{'py calls':>8} {'host us':>8} {'× torch [95% interval]':>22} {'B/param':>7}")
-    for model_name in args.models.split(","):
-        for kind in args.optimizers.split(","):
-            results = measure(model_name, kind, args.rounds, args.steps)
-            report["results"][f"{model_name}/{kind}"] = results
-            for name, r in results.items():
-                print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
-                      f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['python_calls']:8d} {r['host_us']:8.1f} "
-                      f"{_ratio(r):>22} {r['peak_bytes_per_param']:7.1f}")
-    if args.forward:
-        report["forward"] = forward_cost(args.rounds)
-        print(f"\nMLP forward + loss, per call ({args.rounds} interleaved rounds of 50):")
-        for name, r in report["forward"].items():
-            print(f"  {name:38} {r['forward_us']:7.1f} us  {r['extra_us']:+6.1f} us  {_ratio(r)}")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+          f"{'py calls':>8} {'host us':>8} {'× torch [95% interval]':>22} {'B/param':>7}"
+          + (f" {'wall us':>8} {'GPU us':>8}" if cuda else ""), flush=True)
+
+    def save() -> None:
+        report["interrupted"] = True
+        write_json(args.json, report, indent=1)
+
+    with interrupted(save, "bench_host"):
+        for model_name in args.models.split(","):
+            for kind in args.optimizers.split(","):
+                key = f"{model_name}/{kind}"
+                try:
+                    results = measure(model_name, kind, args.rounds, args.steps)
+                except Exception as err:  # noqa: BLE001 - a failing pair is recorded, not fatal
+                    report["results"][key] = error_fields(err)
+                    write_json(args.json, report, indent=1)
+                    print(f"{model_name:11} {kind:7} FAILED: {report['results'][key]['error'][:100]}",
+                          flush=True)
+                    free_cuda()
+                    continue
+                report["results"][key] = results
+                write_json(args.json, report, indent=1)
+                for name, r in results.items():
+                    # "*": thread time includes a spin-waiting sync's GPU time (CUDA, syncs > 0)
+                    mark = " " if r["host_us_comparable"] else "*"
+                    print(f"{model_name:11} {kind:7} {name:19} {r['kernel_ops']:5d} "
+                          f"{r['ops_vs_torch']:+5d} {r['syncs']:5d} {r['python_calls']:8d} "
+                          f"{r['host_us']:7.1f}{mark} {_ratio(r):>22} {r['peak_bytes_per_param']:7.1f}"
+                          + (f" {r['wall_us']:8.1f} {r['gpu_us']:8.1f}" if cuda else ""),
+                          flush=True)
+        if cuda:
+            print("* host us counts GPU time here: a CUDA sync spin-waits on the CPU (syncs > 0); "
+                  "compare host us only between rows without '*'.")
+        if args.forward:
+            try:
+                report["forward"] = forward_cost(args.rounds)
+            except Exception as err:  # noqa: BLE001 - recorded, not fatal
+                report["forward"] = error_fields(err)
+                print(f"\nMLP forward + loss: FAILED: {report['forward']['error'][:100]}")
+            else:
+                print(f"\nMLP forward + loss, per call ({args.rounds} interleaved rounds of 50):")
+                for name, r in report["forward"].items():
+                    print(f"  {name:38} {r['forward_us']:7.1f} us  {r['extra_us']:+6.1f} us  "
+                          f"{_ratio(r)}")
+            write_json(args.json, report, indent=1)
+    write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,16 @@ steps, and each as a ratio to torch.amp O1. Timings of one run are compared as r
 
     PYTHONPATH=src python3 benchmarks/bench_optlevels.py [--json out/bench_optlevels.json]
     PYTHONPATH=src python3 benchmarks/bench_optlevels.py --quick --device cpu   # smoke test
+
+The JSON is rewritten after each mode; a mode that raises (out of memory or anything
+else) is an error row and the next one runs; an interrupt (SIGINT/SIGTERM) writes what
+was measured and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -38,6 +40,7 @@ from ampkit._dtypes import autocast_default_dtype, resolve_dtype
 from ampkit import _measure as harness
 from ampkit.bench.report import environment
 from ampkit.bench.workloads import Batch, Workload, classification_loss, get_workload
+from _incremental import error_fields, free_cuda, interrupted, write_json
 
 MODES = ("fp32", "torch.amp O1", "ampkit O1", "ampkit O2", "ampkit O3")
 REFERENCE = "torch.amp O1"
@@ -162,21 +165,33 @@ def _with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_workload(name: str, args: argparse.Namespace, half: torch.dtype) -> dict[str, Any]:
+def run_workload(name: str, args: argparse.Namespace, half: torch.dtype,
+                 block: Optional[dict[str, Any]] = None,
+                 on_row: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Every mode on one workload, into ``block`` (its "results" grow row by row);
+    ``on_row(row)`` after each mode."""
+    block = {"workload": name} if block is None else block
     try:
         workload = WORKLOADS[name](args.device, args.quick)
     except ImportError as err:
-        return {"workload": name, "skipped": f"{err} (pip install torchvision to run it)"}
-    rows = []
+        block["skipped"] = f"{err} (pip install torchvision to run it)"
+        return block
+    block.update(description=workload.description, results=[])
+    rows = block["results"]
     for mode in args.modes:
         try:
-            rows.append(measure(workload, mode, args.device, half, args.warmup, args.steps,
-                                args.train_steps))
+            row = measure(workload, mode, args.device, half, args.warmup, args.steps,
+                          args.train_steps)
         except torch.OutOfMemoryError as err:
-            rows.append({"mode": mode, "error": f"out of memory: {str(err).splitlines()[0]}"})
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
-    return {"workload": name, "description": workload.description, "results": _with_ratios(rows)}
+            row = {"mode": mode, "error": f"out of memory: {str(err).splitlines()[0]}"}
+        except Exception as err:  # noqa: BLE001 - a failing mode is recorded, not fatal
+            row = {"mode": mode, **error_fields(err)}
+        free_cuda()
+        rows.append(row)
+        _with_ratios(rows)
+        if on_row:
+            on_row(row)
+    return block
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -206,14 +221,11 @@ def print_table(document: dict[str, Any]) -> None:
                   f"{_fmt(r.get('loss_vs_torch_amp'), '10.4f'):>10}")
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # a diverged loss: "nan"/"inf" in the JSON, not invalid JSON
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
+def _row_text(workload: str, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{workload:9} {r['mode']:13} FAILED: {r['error'][:100]}"
+    return (f"{workload:9} {r['mode']:13} {r['step_ms']:9.2f} ms  peak "
+            f"{_fmt(r['peak_gib'], '.2f')} GiB  loss {r['loss']:.4f}")
 
 
 def main() -> None:
@@ -241,13 +253,26 @@ def main() -> None:
     device_type = torch.device(args.device).type
     half = (autocast_default_dtype(device_type) if args.dtype is None
             else resolve_dtype(args.dtype, allowed=(torch.float16, torch.bfloat16), what="--dtype"))
+    # Diverged losses are written as "nan"/"inf" (_incremental.json_safe), not invalid JSON.
     document = {"benchmark": "bench_optlevels", "date": time.strftime("%Y-%m-%d"),
                 "environment": environment(args.device), "half_dtype": str(half),
                 "quick": args.quick, "warmup": args.warmup, "steps": args.steps,
-                "workloads": [run_workload(w, args, half) for w in args.workloads.split(",")]}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as out:
-        json.dump(_json_safe(document), out, indent=2)
+                "workloads": []}
+
+    def save() -> None:
+        document["interrupted"] = True
+        write_json(args.json, document)
+
+    with interrupted(save, "bench_optlevels"):
+        for name in args.workloads.split(","):
+            block: dict[str, Any] = {"workload": name}
+            document["workloads"].append(block)
+            run_workload(name, args, half, block, lambda row, name=name: (
+                write_json(args.json, document), print(_row_text(name, row), flush=True)))
+            write_json(args.json, document)
+            if "skipped" in block:
+                print(f"{name:9} skipped: {block['skipped']}", flush=True)
+    write_json(args.json, document)
     print_table(document)
     print(f"\nfull results: {args.json}")
 

@@ -18,14 +18,15 @@ Tensor.item/tolist/__bool__/__float__/__int__ (each read of a tensor value by th
 
     PYTHONPATH=src python3 benchmarks/bench_scaler.py [--device cuda] [--json out/bench_scaler.json]
     PYTHONPATH=src python3 benchmarks/bench_scaler.py --quick --device cpu   # smoke test
+
+The JSON is rewritten after each optimizer (one that raises is an error row); an
+interrupt (SIGINT/SIGTERM) writes what was measured and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
 import time
 import warnings
@@ -35,6 +36,7 @@ import torch
 
 from ampkit._torch_compat import foreach_copy_
 from ampkit.scaler import GradScaler
+from _incremental import error_fields, free_cuda, interrupted, write_json
 
 VARIANTS = ("plain", "torch", "ampkit")
 _HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -184,10 +186,21 @@ def _measure_optimizer(make: Callable, device: str, n: int, numel: int, warmup: 
 
 
 def measure(device: str, n: int, numel: int, warmup: int, samples: int,
-            queued_ms: Optional[float]) -> dict:
+            queued_ms: Optional[float],
+            on_row: Optional[Callable[[str, dict], None]] = None) -> dict:
+    """Each optimizer's result; one that raises is an error row; ``on_row`` after each."""
     timer = _Timer(device)
-    return {name: _measure_optimizer(make, device, n, numel, warmup, samples, queued_ms, timer)
-            for name, make in _optimizers(device).items()}
+    out = {}
+    for name, make in _optimizers(device).items():
+        try:
+            out[name] = _measure_optimizer(make, device, n, numel, warmup, samples, queued_ms,
+                                           timer)
+        except Exception as err:  # noqa: BLE001 - a failing optimizer is recorded, not fatal
+            out[name] = error_fields(err)
+            free_cuda()
+        if on_row:
+            on_row(name, out[name])
+    return out
 
 
 def _print_table(meta: dict, results: dict) -> None:
@@ -196,6 +209,9 @@ def _print_table(meta: dict, results: dict) -> None:
     print(f"{'optimizer':<13}{'timing':<8}{'plain':>9}{'torch':>9}{'ampkit':>9}"
           f"{'torch +':>9}{'ampkit +':>10}{'ratio':>7}   syncs/step plain/torch/ampkit")
     for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<13}FAILED: {r['error'][:100]}")
+            continue
         syncs = "/".join(str(r["syncs_per_step"][v]) for v in VARIANTS)
         for timing in ("idle", "queued"):
             if timing not in r:
@@ -226,8 +242,6 @@ def main() -> None:
         # One intra-op thread: OpenMP workers stall badly when other processes share the
         # cores, which swamped the ~0.1 ms being measured. CPU figures are a smoke test only.
         torch.set_num_threads(1)
-    results = measure(args.device, args.params, args.numel, args.warmup, args.samples,
-                      args.queued_ms)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": args.device,
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "params": args.params, "numel": args.numel, "samples": args.samples,
@@ -236,10 +250,27 @@ def main() -> None:
             "sync_count_method": ("torch.cuda.set_sync_debug_mode('warn'), warnings counted"
                                   if args.device == "cuda" else
                                   "patched Tensor.item/tolist/__bool__/__float__/__int__")}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
-    _print_table(meta, results)
+    document: dict = {"meta": meta, "results": {}}
+
+    def on_row(name: str, row: dict) -> None:
+        document["results"][name] = row
+        write_json(args.json, document)
+        if "error" in row:
+            print(f"{name}: FAILED: {row['error']}", flush=True)
+        else:
+            ratios = ", ".join(f"{t}: ampkit/torch step {row[t]['step_ratio']:.3f}"
+                               for t in ("idle", "queued") if t in row)
+            print(f"{name}: done ({ratios})", flush=True)
+
+    def save() -> None:
+        document["meta"]["interrupted"] = True
+        write_json(args.json, document)
+
+    with interrupted(save, "bench_scaler"):
+        measure(args.device, args.params, args.numel, args.warmup, args.samples,
+                args.queued_ms, on_row)
+    write_json(args.json, document)
+    _print_table(meta, document["results"])
 
 
 if __name__ == "__main__":

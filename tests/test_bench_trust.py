@@ -20,6 +20,7 @@ from ampkit.bench.runner import BenchSettings, play_rounds, stable
 from ampkit.cli import main
 
 TINY = ["--model", "mlp", "--batch-size", "8", "--warmup", "1", "--quiet"]
+HAS_MATPLOTLIB = __import__("importlib").util.find_spec("matplotlib") is not None
 
 
 # --- statistics ---------------------------------------------------------------------------------
@@ -168,6 +169,81 @@ def test_bench_auto_runs_the_autotune_candidates_in_their_own_processes(tmp_path
         assert r["peak_mem_mib"] > 0 and len(r["round_ms"]) == 1
         assert r["speedup_ci"] is None  # one round: too few for an interval
     assert doc["stability"]["stable"] is (len(doc["results"]) == 1)
+
+
+def _fail_policy(monkeypatch, label: str, where: str) -> None:
+    """Make one policy raise: while building its model ("build") or on its third step."""
+    from ampkit.bench import runner
+
+    if where == "build":
+        original_build = runner.build
+
+        def build(spec, *args, **kwargs):
+            if spec.label == label:
+                raise RuntimeError(f"injected failure building {label}")
+            return original_build(spec, *args, **kwargs)
+        monkeypatch.setattr(runner, "build", build)
+        return
+    original_step = runner.PolicyRun._step
+
+    def step(self):
+        if self.label == label and len(self.losses) == 2:
+            raise torch.cuda.OutOfMemoryError(f"injected failure stepping {label}")
+        return original_step(self)
+    monkeypatch.setattr(runner.PolicyRun, "_step", step)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["rounds", "one-after-another"])
+def test_a_failing_policy_is_an_error_row_and_the_others_still_report(
+        tmp_path, capsys, monkeypatch, compiled):
+    _fail_policy(monkeypatch, "bf16-mixed", "step")
+    if compiled:  # --compile in one process: the policies run one after another
+        monkeypatch.setattr("ampkit.bench.runner.torch.compile", lambda model: model)
+    plot = tmp_path / "bench.png"
+    argv = ["--policies", "32-true,bf16-mixed,O2", "--steps", "4", "--max-time", "0",
+            "--isolate", "never", "--threads", "1"] + (["--compile", "--warmup", "2"] if compiled
+                                                       else [])
+    if HAS_MATPLOTLIB:
+        argv += ["--plot", str(plot)]
+    doc, lines = _bench(tmp_path, capsys, *argv)
+    assert [r["policy"] for r in doc["results"]] == ["32-true", "bf16-mixed", "O2"]
+    assert doc["settings"]["policies"] == ["32-true", "bf16-mixed", "O2"]
+    bad = doc["results"][1]
+    assert bad["error"] == "OutOfMemoryError: injected failure stepping bf16-mixed"
+    assert "step_ms" not in bad and "Traceback" in bad["traceback"]
+    for r in (doc["results"][0], doc["results"][2]):  # measured in full, compared to 32-true
+        assert "error" not in r and r["speedup"] is not None
+        assert len(r["step_times_ms"]) == 4 and r["max_loss_dev"] is not None
+    assert doc["recommended"] in ("32-true", "O2")
+    assert [r["policy"] for r in doc["recommendation"]["rows"]] == ["32-true", "O2"]
+    assert any(line.startswith("bf16-mixed FAILED (OutOfMemoryError: injected") for line in lines)
+    table = lines[:lines.index(next(line for line in lines if line.startswith("Device ")))]
+    assert not any("bf16-mixed" in line for line in table)
+    assert lines[-2 if HAS_MATPLOTLIB else -1].startswith("Recommendation: ")
+    if HAS_MATPLOTLIB:
+        assert plot.stat().st_size > 0
+
+
+def test_a_failing_reference_leaves_the_next_policy_as_the_reference(tmp_path, capsys,
+                                                                        monkeypatch):
+    _fail_policy(monkeypatch, "32-true", "build")
+    doc, lines = _bench(tmp_path, capsys, "--policies", "32-true,bf16-mixed,O2", "--steps", "4",
+                        "--max-time", "0", "--isolate", "never", "--threads", "1")
+    ref, other = doc["results"][1], doc["results"][2]
+    assert doc["results"][0]["error"] == "RuntimeError: injected failure building 32-true"
+    assert ref["speedup"] == 1.0 and other["speedup"] is not None
+    assert doc["recommended"] is None  # the rule needs fp32's row
+    assert lines[-1].startswith("Recommendation: none.")
+
+
+def test_every_policy_failing_ends_the_run_with_their_errors(monkeypatch):
+    from ampkit.bench.policies import parse_policy_list
+    from ampkit.bench.runner import run_bench
+
+    _fail_policy(monkeypatch, "32-true", "build")
+    with pytest.raises(RuntimeError, match="every policy failed: 32-true: RuntimeError: injected"):
+        run_bench(parse_policy_list("32-true", "cpu"), BenchSettings(model="mlp", steps=2),
+                  isolate=False)
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -17,6 +17,7 @@ import gc
 import math
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -33,7 +34,7 @@ from .policies import PolicySpec, loss_scaling_label
 from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, train_step
 from .workloads import Workload, get_workload
 
-__all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "max_loss_deviation",
+__all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "failed", "max_loss_deviation",
            "play_rounds", "recommend", "relative_loss_deviation", "run_bench", "run_policy",
            "speedup_over", "stable", "summarise"]
 
@@ -233,27 +234,107 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
 
     Returns:
         One result per policy, with ``speedup`` (and ``speedup_ci``), ``mem_ratio`` and
-        ``max_loss_dev`` relative to the first.
+        ``max_loss_dev`` relative to the first. A policy that raised (while building,
+        warming up, stepping or finishing) is an error row instead, ``{"policy",
+        "resolved", "error", "traceback"}`` (see ``failed``), and the others go on without
+        it; the comparisons are then against the first policy that did not fail. A
+        ``UsageError`` (a bad setting, the same for every policy) still ends the run, and
+        so does every policy failing.
     """
     ticks = [on_policy(spec.label) if on_policy else _quiet for spec in specs]
     with num_threads(settings.threads), contextlib.ExitStack() as stack:
         if settings.compile and not isolate:
             # One after another: each compiles in a fresh dynamo, which would throw away
             # an earlier policy's compiled code if they took turns in one process.
-            results = [run_policy(spec, settings, tick) for spec, tick in zip(specs, ticks)]
+            results = [_guarded(spec, lambda s=spec, t=tick: run_policy(s, settings, t))
+                       for spec, tick in zip(specs, ticks)]
         else:
             runs = _start(specs, settings, isolate, stack)
             play_rounds(runs, settings, ticks)
-            results = [dict(run.finish(), interleaved=True) for run in runs]
+            results = [run.finish() for run in runs]
+    if not any("error" not in r for r in results):
+        raise RuntimeError("every policy failed: " + "; ".join(
+            f"{r['policy']}: {r['error']}" for r in results))
     return compare(results)
+
+
+def failed(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The error rows of ``run_bench``'s results (policies that raised)."""
+    return [r for r in results if "error" in r]
+
+
+def _error_row(spec: PolicySpec, err: BaseException) -> dict[str, Any]:
+    message = " ".join(str(err).split())
+    return {"policy": spec.label, "resolved": str(spec.policy),
+            "error": f"{type(err).__name__}: {message}"[:2000],
+            "traceback": traceback.format_exc(limit=-8)}
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _guarded(spec: PolicySpec, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``'s result, or an error row when it raises anything but a ``UsageError``."""
+    try:
+        return fn()
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - one failing policy must not lose the others
+        row = _error_row(spec, err)
+    _free_device_memory()  # out of the except block: its traceback holds the failed frames
+    return row
+
+
+class _Guarded:
+    """A run (``PolicyRun`` or a worker standing in for one) whose failure is recorded in
+    ``error`` instead of raised; ``play_rounds`` then leaves it out of the later rounds."""
+
+    def __init__(self, spec: PolicySpec, make: Callable[[], Any]) -> None:
+        self.spec, self.label, self.error = spec, spec.label, None
+        self._run: Any = None
+        self._run = self._call(make)
+
+    @property
+    def round_ms(self) -> list[float]:
+        return [] if self._run is None else self._run.round_ms
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        result = _guarded(self.spec, lambda: {"value": fn(*args)})
+        if "error" in result:
+            self.error = result
+            if isinstance(self._run, PolicyRun):  # its model and batches: free them now
+                self._run = None
+                _free_device_memory()
+            return None
+        return result["value"]
+
+    def warm_up(self) -> None:
+        if self.error is None:
+            self._call(self._run.warm_up)
+
+    def run(self, steps: int) -> list[float]:
+        return ([] if self.error is not None else self._call(self._run.run, steps)) or []
+
+    def finish(self) -> dict[str, Any]:
+        if self.error is None:
+            result = self._call(self._run.finish)
+            if result is not None:
+                return dict(result, interleaved=True)
+        return self.error  # type: ignore[return-value]
 
 
 def _start(specs: list[PolicySpec], settings: BenchSettings, isolate: bool,
            stack: contextlib.ExitStack) -> list[Any]:
     from . import worker  # the process protocol; it imports this module
     if not (isolate and worker.CAN_FORK):
-        return [PolicyRun(spec, settings) for spec in specs]
-    return worker.start_workers(specs, settings, stack)
+        return [_Guarded(spec, lambda s=spec: PolicyRun(s, settings)) for spec in specs]
+    # A worker that fails to build its model fails start_workers as a whole (a
+    # RuntimeError naming it); one that fails later becomes an error row.
+    workers = worker.start_workers(specs, settings, stack)
+    return [_Guarded(spec, lambda w=w: w) for spec, w in zip(specs, workers)]
 
 
 def _quiet(done: int, total: int) -> None:
@@ -269,15 +350,19 @@ def play_rounds(runs: Sequence[Any], settings: BenchSettings, ticks: Sequence[On
     for run, tick in zip(runs, ticks):
         run.warm_up()
         tick(settings.warmup, settings.warmup + settings.steps)
+    # A run with an ``error`` (``_Guarded``: a policy that raised) sits out the rounds.
+    live = lambda: [run for run in runs if getattr(run, "error", None) is None]  # noqa: E731
     done, played, limit = 0, 0, settings.steps * _MAX_STEPS_FACTOR
     deadline = time.perf_counter() + settings.max_time
-    while done < settings.steps or (done + settings.round_steps <= limit and
-                                    time.perf_counter() < deadline and not stable(runs)):
+    while live() and (done < settings.steps or (done + settings.round_steps <= limit and
+                                                time.perf_counter() < deadline and
+                                                not stable(live()))):
         steps = min(settings.round_steps, settings.steps - done) if done < settings.steps \
             else settings.round_steps
         first = played % len(runs)  # the order rotates: nobody always goes first
         for i in range(first, first + len(runs)):
-            runs[i % len(runs)].run(steps)
+            if getattr(runs[i % len(runs)], "error", None) is None:
+                runs[i % len(runs)].run(steps)
         done, played = done + steps, played + 1
         for tick in ticks:
             tick(settings.warmup + done, settings.warmup + max(done, settings.steps))
@@ -286,6 +371,8 @@ def play_rounds(runs: Sequence[Any], settings: BenchSettings, ticks: Sequence[On
 
 def stable(runs: Sequence[Any]) -> bool:
     """Every speedup over the first run has a 95% interval within ±5% of it."""
+    if not runs:
+        return True
     reference = runs[0].round_ms
     return all(half_width(*paired_speedup(reference, run.round_ms)) <= STABLE_HALF_WIDTH
                for run in runs[1:])
@@ -359,9 +446,14 @@ def speedup_over(result: dict[str, Any], ref: dict[str, Any]
 
 
 def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add speedup (and its interval), memory ratio and loss deviations against the first."""
-    ref = results[0]
-    for res in results:
+    """Add speedup (and its interval), memory ratio and loss deviations against the first
+    (error rows, see ``run_bench``, are left as they are, and the reference is the first
+    row that is not one)."""
+    ok = [res for res in results if "error" not in res]
+    if not ok:
+        return results
+    ref = ok[0]
+    for res in ok:
         res["speedup"], res["speedup_ci"] = speedup_over(res, ref)
         res["mem_ratio"] = _ratio(res["peak_mem_mib"], ref["peak_mem_mib"])
         res["max_loss_dev"] = max_loss_deviation(res["losses"], ref["losses"])
@@ -380,6 +472,7 @@ def recommend(results: list[dict[str, Any]], max_loss_dev: float = 0.02) -> dict
         "rows": the rule's rows (policy, step_ms, max_loss_dev, speedup, speedup_ci,
         accepted, reason), fp32's first}.
     """
+    results = [r for r in results if "error" not in r]  # policies that failed: no candidates
     ref = next((r for r in results if r.get("pure_fp32")), None)
     if ref is None:
         return {"recommended": None, "max_loss_dev": max_loss_dev, "rows": [],

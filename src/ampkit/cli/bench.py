@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _measure as measure
     from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
-    from ..bench.runner import BenchSettings, run_bench
+    from ..bench.runner import BenchSettings, failed, run_bench
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)
@@ -121,11 +121,21 @@ def run(args: argparse.Namespace) -> int:
         with report.Progress(enabled=show) as progress:
             results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
     machine["loadavg_1m_after"] = measure.machine_state(threads)["loadavg_1m"]
-    document = _bench_document(results, settings, workload.description, isolate, device)
+    # A policy that raised is an error row (runner.run_bench): the table, the sentences,
+    # the plot and the recommendation are about the others; the JSON keeps every row.
+    failures = failed(results)
+    measured = [r for r in results if "error" not in r]
+    document = _bench_document(measured, settings, workload.description, isolate, device)
     document["settings"]["threads_reason"] = threads_reason
     document["machine"] = machine
     verdict.complete(document, args.max_loss_dev)
-    verdict.render_bench_table(f"ampkit bench: {workload.description} on {device}", results, out)
+    verdict.render_bench_table(f"ampkit bench: {workload.description} on {device}", measured, out)
+    if failures:
+        document["results"] = results
+        document["settings"]["policies"] = [r["policy"] for r in results]
+        document["verdict"] += [f"{r['policy']} FAILED ({r['error']}): left out of the table, "
+                                f"the comparisons, the plot and the recommendation."
+                                for r in failures]
     if plan is not None:
         document.update(plan.fields())
         report.render_table(f"scaling: {plan.nproc} ranks, {plan.parallel.value}",
@@ -137,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(document, args.json)
     if args.plot:
-        plot.write_bench_plot(document, args.plot)
+        plot.write_bench_plot(dict(document, results=measured), args.plot)
         print(f"plot: {args.plot}", file=out)
     return 0
 

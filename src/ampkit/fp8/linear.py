@@ -330,6 +330,18 @@ class Float8Linear(AfterApply, nn.Linear):
                 _warn_emulation_once(device)
         return self._native
 
+    @property
+    def native(self) -> bool:
+        """Read-only: whether this layer's matmuls run on fp8 tensor cores
+        (``torch._scaled_mm``) on its weight's current device, rather than emulated in
+        fp32 (``Float8Config.emulate``, and whether the device has fp8 tensor cores).
+
+        Example:
+            >>> Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True)).native
+            False
+        """
+        return self._resolve_backend()
+
     def _use_scaled_mm(self) -> bool:
         native = self._resolve_backend()
         if not native:
