@@ -443,3 +443,139 @@ def test_watch_folds_long_blocks_and_still_finds_the_first_event():
             model(X)
         model(X * math.nan)
     assert w.first_nonfinite == ("forward", "0")
+
+
+# --- inside the caller's autocast region ------------------------------------------------------
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def outer_regions():
+    return [lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+            lambda: ampkit.autocast("cpu", dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("region", outer_regions(), ids=["torch.autocast", "ampkit.autocast"])
+@pytest.mark.parametrize("policy", ["32-true", "bf16-mixed", "16-mixed"])
+def test_inspect_inside_a_callers_autocast_region_is_the_report_outside_it(region, policy):
+    x = torch.randn(4, 8)
+    outside = inspect(mlp(), x, policy=policy)
+    with region():
+        inside = inspect(mlp(), x, policy=policy)
+        assert torch.is_autocast_enabled("cpu")  # the caller's region is back
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert inside.to_dict() == outside.to_dict()
+    if policy == "32-true":  # the reference is fp32, not the caller's bf16
+        assert [m.out_dtype for m in inside.modules] == [torch.float32] * 3
+        assert inside.flops.keys() == {"float32"}
+        assert all(m.out_sqnr_db == math.inf for m in inside.modules)
+    if policy == "16-mixed":  # the policy's own region only
+        assert [m.out_dtype for m in inside.modules] == [torch.float16] * 3
+
+
+class ToHalf(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.half()
+
+
+@pytest.mark.parametrize("region", outer_regions(), ids=["torch.autocast", "ampkit.autocast"])
+def test_watch_folds_fp16_flags_inside_a_bf16_region_with_one_sync(region):
+    model = nn.Sequential(nn.Linear(4, 4), ToHalf())  # an fp16 output under bf16 autocast
+    with region(), SyncCounter() as counter:
+        with watch(model) as w:
+            for _ in range(300):  # 600 events: a fold inside the block, one at exit
+                model(X)
+            model(X * math.nan).float().sum().backward()
+    assert w.first_nonfinite == ("forward", "0") and counter.count == 1
+    with region():
+        with watch(model) as w:
+            model(X).float().sum().backward()
+    assert w.first_nonfinite is None
+
+
+# --- models without trainable parameters ------------------------------------------------------
+@pytest.mark.parametrize("model", [nn.Linear(3, 3).requires_grad_(False), nn.ReLU()],
+                         ids=["frozen Linear", "ReLU"])
+def test_a_model_without_trainable_parameters_gets_a_forward_only_report(model):
+    x = torch.randn(2, 3)
+    report = inspect(model, x, policy="bf16-mixed")
+    (row,) = report.modules
+    assert row.name == "" and row.out_sqnr_db is not None and row.underflow == 0.0
+    assert (row.grad_sqnr_db, row.grad_underflow, row.grad_overflow) == (None, None, None)
+    assert report.first_nonfinite is None and math.isfinite(report.policy_loss)
+    linear = isinstance(model, nn.Linear)
+    assert report.flops == ({"bfloat16": 2 * 2 * 3 * 3} if linear else {})  # forward only
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+    nan = inspect(model, x * math.nan, policy="bf16-mixed")
+    assert nan.first_nonfinite == ("forward", "")
+
+
+# --- sparse gradients ---------------------------------------------------------------------------
+class Bag(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e = nn.Embedding(10, 4, sparse=sparse)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.e(ids))
+
+
+IDS = torch.tensor([1, 2, 1, 7])
+
+
+def test_watch_checks_a_sparse_gradient_inside_the_users_backward():
+    model = Bag(sparse=True)
+    with watch(model) as w:
+        model(IDS).sum().backward()
+    assert w.first_nonfinite is None and model.e.weight.grad.is_sparse  # the step went on
+    model.zero_grad()
+    with watch(model) as w:
+        (model.e(IDS) * math.inf).sum().backward()  # only the embedding's gradient is inf
+    assert w.first_nonfinite == ("backward", "e")
+
+
+def test_inspect_compares_a_sparse_gradient_by_its_values():
+    sparse = stats(inspect(Bag(sparse=True), IDS, policy="bf16-mixed"), "e")
+    dense = stats(inspect(Bag(sparse=False), IDS, policy="bf16-mixed"), "e")
+    # the same rows, the same numbers; the sparse one has no implicit zeros to count
+    assert 20 < sparse.grad_sqnr_db < math.inf
+    assert sparse.grad_sqnr_db == pytest.approx(dense.grad_sqnr_db, rel=1e-9)
+    assert sparse.grad_underflow == dense.grad_underflow == 0.0
+    assert sparse.grad_overflow == 0.0 and not sparse.nonfinite
+    # d sum / d row = how often the batch takes it (1 or 2); times 2**16 > 65504: all of
+    # the 3 rows' stored values overflow, and none of the 7 rows the batch did not touch.
+    def overflow(sparse: bool) -> float:
+        table = nn.Sequential(nn.Embedding(10, 4, sparse=sparse))
+        report = inspect(table, IDS, policy="16-mixed", loss_fn=lambda out, _: out.sum())
+        return stats(report, "0").grad_overflow
+
+    assert overflow(sparse=True) == 1.0 and overflow(sparse=False) == 0.3
+
+
+# --- the caller's inputs are only read; the default loss; fp8 names -----------------------------
+def test_inputs_and_target_that_require_grad_get_no_grad():
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.randn(4, 2, requires_grad=True)
+    report = inspect(mlp(), x, y, policy="16-mixed")
+    assert x.grad is None and y.grad is None
+    assert report.to_dict() == inspect(mlp(), x.detach(), y.detach(), policy="16-mixed").to_dict()
+    pair = (torch.randn(4, 8, requires_grad=True),)
+    inspect(mlp(), pair, policy="bf16-mixed")
+    assert pair[0].grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_an_integer_target_of_any_width_is_class_indices(dtype):
+    x, y = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0])
+    model = nn.Linear(4, 3)
+    assert inspect(model, x, y.to(dtype), policy="32-true").ref_loss == \
+        inspect(model, x, y, policy="32-true").ref_loss
+
+
+def test_fp8_dash_without_a_recipe_is_refused():
+    with pytest.raises(ValueError, match=r"'fp8-'.*fp8-tensorwise, fp8-delayed, fp8-rowwise"):
+        inspect(nn.Linear(4, 2), X, policy="fp8-")
+    assert inspect(nn.Linear(16, 16), torch.randn(16, 16), policy=" fp8 ").policy == "fp8"

@@ -213,3 +213,14 @@ def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
 def test_a_model_that_is_not_fp32_is_refused(capsys, user_models):
     line = usage_error(capsys, "--model", f"{user_models}:halved", "--quiet")
     assert "cannot inspect this model" in line and "torch.float16" in line
+
+
+def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):
+    line = usage_error(capsys, "--model", "mlp", "--policy", "bogus", "--quiet")
+    assert "unknown policy 'bogus'" in line and "fp8-rowwise" in line and "bf16-mixed" in line
+    assert "auto" not in line
+
+
+def test_fp8_dash_without_a_recipe_is_refused(capsys):
+    line = usage_error(capsys, "--model", "mlp", "--policy", "fp8-", "--quiet")
+    assert "'fp8-'" in line and "fp8-tensorwise" in line

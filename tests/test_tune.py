@@ -165,3 +165,63 @@ def test_unknown_candidates_name_the_fp8_ones_too():
     x, y = _batch()
     with pytest.raises(ValueError, match="fp8-tensorwise"):
         ampkit.autotune(_model(), x, y, candidates=["fp9"], steps=4)
+
+
+# --- names, devices and the default loss -------------------------------------------------------
+def test_a_single_name_is_one_candidate():
+    x, y = _batch()
+    result = ampkit.autotune(_model(), x, y, candidates="bf16-mixed", steps=3)
+    assert [r["policy"] for r in result.rows] == ["32-true", "bf16-mixed"]
+
+
+def test_names_of_the_same_policy_are_measured_once_under_the_first_spelling():
+    from ampkit.tune import distinct_candidates
+
+    assert distinct_candidates(["32-true", "fp32", "O0", "bf16-mixed", "p=f32,c=bf16,o=f32",
+                                "16-mixed", "fp16-mixed", "fp8", "fp8-tensorwise",
+                                "fp8-delayed"]) == ["32-true", "bf16-mixed", "16-mixed", "fp8",
+                                                    "fp8-delayed"]
+    x, y = _batch()
+    result = ampkit.autotune(_model(), x, y, candidates=["32-true", "fp32", "bf16-mixed",
+                                                         "O2-bf16", " O2-bf16"], steps=3)
+    assert [r["policy"] for r in result.rows] == ["32-true", "bf16-mixed", "O2-bf16"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(device="bogus"), ValueError, r"unknown device 'bogus'; valid: cpu"),
+    (dict(device=7), TypeError, r"device must be a device name .* 7; valid: cpu"),
+    (dict(candidates=["fp8-"]), ValueError,
+     r"unknown candidate 'fp8-'.*fp8, fp8-tensorwise, fp8-delayed, fp8-rowwise"),
+    (dict(candidates=3), TypeError,
+     r"candidates must be a policy name or a list of them, got int 3"),
+])
+def test_bad_devices_and_names_raise_before_anything_runs(monkeypatch, kwargs, error, match):
+    def no_run(*args, **kw):
+        raise AssertionError("a candidate was set up")
+    monkeypatch.setattr("ampkit.tune._Run", no_run)
+    monkeypatch.setattr("ampkit.tune.native_candidates", no_run)  # the device's defaults too
+    x, y = _batch()
+    with pytest.raises(error, match=match):
+        ampkit.autotune(_model(), x, y, steps=3, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_refused_naming_the_valid_devices(monkeypatch):
+    monkeypatch.setattr("ampkit.tune._Run", None)  # nothing may be set up
+    x, y = _batch()
+    with pytest.raises(ValueError, match=r"device 'cuda' is not available here .*valid: cpu$"):
+        ampkit.autotune(_model(), x, y, steps=3, device="cuda")
+    with pytest.raises(ValueError, match=r"device 'cuda:1' is not available here"):
+        ampkit.autotune(_model(), x, y, steps=3, device=torch.device("cuda:1"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_the_default_loss_takes_integer_targets_of_any_width(dtype):
+    from ampkit._loss import default_loss
+
+    out, y = torch.randn(6, 4), torch.tensor([0, 3, 1, 2, 2, 0])
+    assert torch.equal(default_loss(out, y.to(dtype)), default_loss(out, y))
+    x, _ = _batch()
+    result = ampkit.autotune(_model(), x, torch.randint(0, 4, (32,), dtype=dtype),
+                             candidates=["bf16-mixed"], steps=3)
+    assert result.rows[0]["max_loss_dev"] == 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -15,5 +16,9 @@ def default_loss(output: Any, target: Any) -> Tensor:
     if target is None:
         return output.float().mean()
     if not target.is_floating_point():
+        # Class indices: cross_entropy takes them as int64 only (an int32 or int16 target
+        # from a dataset is the same classes); a bool target is not indices and is left as is.
+        if target.dtype not in (torch.bool, torch.int64) and not target.is_complex():
+            target = target.long()
         return nn.functional.cross_entropy(output.float(), target)
     return nn.functional.mse_loss(output.float(), target.float())

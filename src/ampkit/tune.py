@@ -20,7 +20,7 @@ import copy
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +130,7 @@ def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, fl
 def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
              loss_fn: Optional[Callable[..., Tensor]] = None,
              optimizer: Optional[OptimizerFactory] = None,
-             candidates: Optional[Sequence[str]] = None, max_loss_dev: float = 0.02,
+             candidates: Union[str, Sequence[str], None] = None, max_loss_dev: float = 0.02,
              steps: int = 20, device: Optional[str] = None) -> TuneResult:
     """Train a copy of ``model`` under each candidate and choose the fastest accurate one.
 
@@ -141,12 +141,16 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
             a floating one, ``output.float().mean()`` without one.
         loss_fn: ``loss_fn(output, target)`` instead of the default.
         optimizer: a callable params -> optimizer (default AdamW, lr 1e-3).
-        candidates: policy names (default: :func:`native_candidates`), and the fp8
-            names "fp8", "fp8-tensorwise", "fp8-delayed", "fp8-rowwise" (fp8 layer by
-            layer where measured faster); fp32 is always measured first as the reference.
+        candidates: policy names, or one name as a str (default:
+            :func:`native_candidates`), and the fp8 names "fp8", "fp8-tensorwise",
+            "fp8-delayed", "fp8-rowwise" (fp8 layer by layer where measured faster); fp32
+            is always measured first as the reference ("32-true"). Names that mean the
+            same policy ("fp32" and "32-true", "fp8" and "fp8-tensorwise") are measured
+            once, under the first spelling.
         max_loss_dev: the largest relative gap from fp32's loss curve a candidate may show.
         steps: training steps per candidate (the first two are warm-up, not timed).
-        device: where to run (default: the model's device).
+        device: where to run (default: the model's device); a device this machine lacks
+            raises ValueError naming the valid ones, before anything runs.
 
     Example:
         >>> result = autotune(model, x, y, steps=10)  # doctest: +SKIP
@@ -190,13 +194,71 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
     if isinstance(max_loss_dev, bool) or not isinstance(max_loss_dev, (int, float)) \
             or not max_loss_dev >= 0:
         raise ValueError(f"max_loss_dev must be a number >= 0, got {max_loss_dev!r}")
+    _check_device(device)  # first: the defaults below are the device's
+    if isinstance(candidates, str):  # one name, not its characters
+        candidates = [candidates]
+    elif candidates is not None and not isinstance(candidates, Iterable):
+        raise TypeError(f"candidates must be a policy name or a list of them, got "
+                        f"{type(candidates).__name__} {candidates!r}")
     names = list(native_candidates(device) if candidates is None else candidates)
     if not names:
         raise ValueError("candidates is empty; valid: policy names such as "
                          f"{', '.join(native_candidates(device))}")
     for name in names:
         check_candidate(name)
-    return [_REFERENCE] + [n for n in names if n != _REFERENCE]
+    return distinct_candidates([_REFERENCE] + names)
+
+
+def distinct_candidates(names: Sequence[str]) -> list[str]:
+    """``names`` without the ones that mean a policy named earlier ("fp32" after
+    "32-true", "fp8" after "fp8-tensorwise"): the first spelling stays, in order.
+
+    Example:
+        >>> distinct_candidates(["32-true", "fp32", "bf16-mixed", "O0", "fp8", "fp8-tensorwise"])
+        ['32-true', 'bf16-mixed', 'fp8']
+    """
+    seen: set[Any] = set()
+    kept = []
+    for name in names:
+        recipe = fp8_recipe(name)
+        key = ("fp8", recipe) if recipe is not None else get_policy(name)
+        if key not in seen:
+            seen.add(key)
+            kept.append(name)
+    return kept
+
+
+def _check_device(device: Any) -> None:
+    """A device autotune can run on here; ValueError names it and the valid ones."""
+    if device is None:
+        return
+    valid = ", ".join(_valid_devices())
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a device name such as 'cpu' or 'cuda', got "
+                        f"{type(device).__name__} {device!r}; valid: {valid}")
+    name = str(device)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {name!r}; valid: {valid}") from None
+    if parsed.type == "cpu":
+        return
+    backend = getattr(torch, parsed.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(f"device {name!r} is not available here (torch {torch.__version__}, "
+                         f"no {parsed.type} device); valid: {valid}")
+    if parsed.index is not None and parsed.index >= backend.device_count():
+        raise ValueError(f"device {name!r} does not exist here; valid: {valid}")
+
+
+def _valid_devices() -> list[str]:
+    """"cpu", then each accelerator type this machine has and its numbered devices."""
+    valid = ["cpu"]
+    for kind in ("cuda", "xpu", "mps"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and hasattr(backend, "is_available") and backend.is_available():
+            valid += [kind] + [f"{kind}:{i}" for i in range(backend.device_count())]
+    return valid
 
 
 def check_candidate(name: Any) -> str:
@@ -208,8 +270,11 @@ def check_candidate(name: Any) -> str:
         >>> check_candidate("fp8-rowwise"), check_candidate("O2-bf16")
         ('fp8-rowwise', 'O2-bf16')
     """
-    if fp8_recipe(name) is not None:
-        return name
+    try:
+        if fp8_policy_recipe(name) is not None:
+            return name
+    except ValueError as err:  # "fp8-" or "fp8-<unknown recipe>": fp8's own message
+        raise ValueError(f"unknown candidate {name!r}: {err}") from None
     try:
         get_policy(name)
     except (TypeError, ValueError) as err:
@@ -330,5 +395,5 @@ class _untouched_state:  # noqa: N801 - used as a context manager
             torch.cuda.set_rng_state_all(self.cuda)
 
 
-__all__ = ["autotune", "TuneResult", "check_candidate", "choose", "fp8_recipe",
-           "native_candidates"]
+__all__ = ["autotune", "TuneResult", "check_candidate", "choose", "distinct_candidates",
+           "fp8_recipe", "native_candidates"]

@@ -9,7 +9,10 @@ FLOP counter, its loss multiplied by the policy's initial loss scale as a GradSc
 would; each output is compared with its reference as soon as it is produced, which frees
 that reference. The caller's model is only read (deep-copied), never run, so its
 parameters, buffers, gradients, mode and hooks stay exactly as they were, and its RNG
-state is restored.
+state is restored. Its inputs and target are only read too (detached: no ``.grad``), and
+both passes run with the caller's autocast regions off (``_regions.autocast_off``): the
+reference is fp32, the policy pass is in the policy's own region only. Without a
+parameter that requires grad the loss has no graph: no backward, a forward-only report.
 
 Memory: one copy of the weights at a time, plus the reference outputs of the tracked
 modules and the reference gradients until the policy pass has compared them.
@@ -40,6 +43,7 @@ from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
 from .advice import Context, advise
 from .flops import FlopCounter
+from ._regions import autocast_off
 from .nonfinite import watch
 from .report import ModuleStats, Report
 
@@ -89,8 +93,8 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     Args:
         model: an fp32 model (before ``initialize``/``convert_to_fp8``); only read.
         inputs: the batch: a tensor (``model(inputs)``), a tuple (``model(*inputs)``) or
-            a dict (``model(**inputs)``), on the model's device.
-        target: the loss target (optional).
+            a dict (``model(**inputs)``), on the model's device; only read (detached).
+        target: the loss target (optional; only read).
         policy: any name ``get_policy`` takes (O0-O3, "O2-bf16", "bf16-mixed", ...), a
             Policy, or "fp8-tensorwise"/"fp8-delayed"/"fp8-rowwise" (Linear layers in fp8
             under bf16 autocast, as ``ampkit bench`` runs them); None: the device's default
@@ -108,7 +112,11 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
         ['0', '1', '2']
     """
     setup = _prepare(model, inputs, policy, loss_fn)
-    with _replayable_rng(setup.device) as rewind:
+    # The caller's tensors are only read: a backward through them would write their .grad.
+    inputs, target = _detached(inputs), _detached(target)
+    # Both passes outside the caller's autocast regions: the reference is fp32 and the
+    # policy pass runs in the policy's own region only.
+    with _replayable_rng(setup.device) as rewind, autocast_off():
         table, ref_loss = _reference_pass(model, inputs, target, setup)
         rewind()
         return _policy_pass(model, inputs, target, setup, table, ref_loss)
@@ -213,6 +221,19 @@ def _copy(model: nn.Module) -> nn.Module:
                         f"({type(err).__name__}: {err}); valid: a deep-copyable nn.Module") from err
 
 
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached (same storage, no autograd history)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        items = [_detached(v) for v in value]
+        # A namedtuple is rebuilt from its fields, a plain tuple or list from the items.
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _detached(v)) for k, v in value.items())
+    return value
+
+
 def _forward(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, tuple):
         return model(*inputs)
@@ -229,6 +250,13 @@ def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
     return loss
 
 
+def _backward(loss: Tensor, scale: float = 1.0) -> None:
+    """The step's backward; none when no parameter of the model requires grad (the
+    inputs are detached): a forward-only report, its gradient columns None."""
+    if loss.requires_grad:
+        (loss * scale if scale != 1.0 else loss).backward()
+
+
 def _reference_pass(model: nn.Module, inputs: Any, target: Any,
                     setup: _Setup) -> tuple[dict[str, _Module], Tensor]:
     """fp32 forward+backward on a copy; keeps reference outputs and gradients only."""
@@ -238,7 +266,7 @@ def _reference_pass(model: nn.Module, inputs: Any, target: Any,
     try:
         with torch.enable_grad():
             loss = _loss(_forward(work, inputs), target, setup)
-            loss.backward()
+            _backward(loss)
     finally:
         for handle in handles:
             handle.remove()
@@ -257,7 +285,7 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
         with watch(work) as watcher, counter, torch.enable_grad():
             loss = _loss(_forward(work, inputs), target, setup)
             # As GradScaler.scale does; the gradient comparison divides the scale out.
-            (loss * setup.loss_scale).backward()
+            _backward(loss, setup.loss_scale)
     finally:
         for handle in handles:
             handle.remove()
@@ -350,8 +378,30 @@ def _compare_output(name: str, module: nn.Module, output: Any,
 
 
 def _own_grads(module: nn.Module) -> dict[str, Tensor]:
-    return {name: p.grad for name, p in module.named_parameters(recurse=False)
-            if p.grad is not None}
+    """The module's own parameter gradients; a sparse one (nn.Embedding(sparse=True))
+    coalesced: one value per index, as the optimizer applies it."""
+    return {name: p.grad.coalesce() if p.grad.is_sparse else p.grad
+            for name, p in module.named_parameters(recurse=False) if p.grad is not None}
+
+
+def _grad_values(grad: Tensor) -> Tensor:
+    """The values a report counts: a sparse gradient's stored values (its implicit zeros
+    are neither nonzero nor able to overflow), a dense gradient itself."""
+    return grad.values() if grad.is_sparse else grad
+
+
+def _comparable(grad: Tensor, ref: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """(policy values, reference values) at the same positions, None when the shapes differ.
+
+    Sparse gradients are compared by their values when both store the same indices (the
+    same batch: the usual case; one host sync each); otherwise as dense tensors."""
+    if grad.shape != ref.shape:
+        return None
+    if not (grad.is_sparse or ref.is_sparse):
+        return grad, ref
+    if grad.is_sparse and ref.is_sparse and torch.equal(grad.indices(), ref.indices()):
+        return grad.values(), ref.values()
+    return grad.to_dense(), ref.to_dense()
 
 
 @torch.no_grad()
@@ -361,10 +411,11 @@ def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: _Se
         if entry is None:
             continue
         entry.grad_refs = _own_grads(module)
-        for grad in entry.grad_refs.values():
+        for grad in map(_grad_values, entry.grad_refs.values()):
             # What the policy's backward holds: the gradient times the loss scale, cast.
             entry.grad_counts += nx.cast_counts(grad * setup.loss_scale, setup.cast_dtype(name))
-            entry.grad_amax = torch.maximum(entry.grad_amax, grad.abs().amax().double())
+            if grad.numel():
+                entry.grad_amax = torch.maximum(entry.grad_amax, grad.abs().amax().double())
 
 
 @torch.no_grad()
@@ -375,9 +426,9 @@ def _compare_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) ->
             continue
         grads = _own_grads(module)
         for pname, ref in entry.grad_refs.items():
-            grad = grads.get(pname)
-            if grad is not None and grad.shape == ref.shape:
-                entry.grad_energy += nx.error_energy(grad.double() / setup.loss_scale, ref)
+            pair = None if pname not in grads else _comparable(grads[pname], ref)
+            if pair is not None:
+                entry.grad_energy += nx.error_energy(pair[0].double() / setup.loss_scale, pair[1])
                 entry.compared_grad = True
         entry.grad_refs = {}
 

@@ -1,10 +1,12 @@
 """``watch``: which module first produced a non-finite output or gradient.
 
 Cost model: per module output, input gradient and parameter gradient, one reduction
-kernel (``aminmax``: both are finite exactly when every element is) is launched and its
-two 0-dim results kept on the device; every 512 of them are folded into one bool vector
-(one stack, one isfinite). Nothing is read back to the host while the block runs; at
-exit one ``.item()`` reads the index of the first non-finite event: the one host sync.
+kernel (``aminmax``: both are finite exactly when every element is; of a sparse gradient,
+over the values it stores) is launched and its two 0-dim results kept on the device; every
+512 of them are folded into one bool vector (one stack, one isfinite; outside any autocast
+region the caller opened, so whatever their dtypes). Nothing is read back to the host
+while the block runs; at exit one ``.item()`` reads the index of the first non-finite
+event: the one host sync.
 
 Attribution: forward events are module outputs, in the order they were produced (a
 child's before its parent's). Backward events are the gradients a module produces: those
@@ -25,6 +27,8 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._dtypes import iter_tensors
+from .._torch_compat import sparse_values
+from ._regions import autocast_off
 
 FORWARD, BACKWARD = "forward", "backward"
 _PHASES = (FORWARD, BACKWARD)
@@ -59,13 +63,16 @@ class _Flags:
         self.codes = array("i")  # module index * 2 + phase index, one per pending value
 
     def record(self, code: int, tensor: Tensor) -> None:
-        if tensor.dtype not in _CHECKED or tensor.numel() == 0:
+        if tensor.dtype not in _CHECKED:
+            return
+        if tensor.requires_grad:  # an output: no autograd node (it would keep it alive)
+            tensor = tensor.detach()
+        tensor = _stored_values(tensor)
+        if tensor.numel() == 0:
             return
         # One reduction kernel, no sync: min and max are finite exactly when every element
         # is (NaN propagates, +inf shows in the max, -inf in the min). The inf-norm is one
         # kernel too but ~20x slower on CPU; a sum can overflow from finite values.
-        if tensor.requires_grad:  # an output: no autograd node (it would keep it alive)
-            tensor = tensor.detach()
         low, high = torch.aminmax(tensor)
         self._pending += (low, high)
         self.codes.extend((code, code))
@@ -74,7 +81,11 @@ class _Flags:
 
     def _fold(self) -> None:
         if self._pending:
-            self._folded.append(torch.stack(self._pending).isfinite())
+            # Outside any autocast region: under the caller's bf16 region, stack (an op
+            # autocast promotes) refuses an fp16 flag; outside, mixed dtypes promote (a
+            # widening cast keeps inf and NaN). A few switches per fold, no sync.
+            with autocast_off():
+                self._folded.append(torch.stack(self._pending).isfinite())
             self._pending.clear()
 
     def finite(self) -> Optional[Tensor]:
@@ -208,6 +219,18 @@ class Watch:
             # Removed at exit (a leaf input, say the user's x, would keep it for good);
             # a hook left on an intermediate's graph node is a no-op once closed.
             self._handles.append(tensor.register_hook(functools.partial(self._on_input_grad, cell)))
+
+
+def _stored_values(tensor: Tensor) -> Tensor:
+    """The values a sparse tensor stores (a sparse gradient: nn.Embedding(sparse=True));
+    the tensor itself when it is dense. Its implicit zeros are finite."""
+    if tensor.layout == torch.strided:
+        return tensor
+    if tensor.layout == torch.sparse_coo:
+        # The stored values even uncoalesced (values() would need a coalesce, a sort
+        # and, on CUDA, a host sync); a duplicate index is checked per entry.
+        return sparse_values(tensor)
+    return tensor.values()  # compressed layouts (CSR, CSC, BSR, BSC)
 
 
 def _owned_params(named: list[tuple[str, nn.Module]]) -> list[tuple[nn.Parameter, int]]:

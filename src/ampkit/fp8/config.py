@@ -36,7 +36,8 @@ FP8_POLICY_NAMES = ("fp8",) + tuple(f"fp8-{recipe.value}" for recipe in Recipe)
 def fp8_policy_recipe(name: object) -> Optional[str]:
     """The recipe an fp8 policy name asks for, None for a name that is not fp8.
 
-    Raises ValueError for "fp8-<unknown recipe>", naming the valid ones.
+    Raises ValueError for "fp8-<unknown recipe>" and for "fp8-" (a dash, then no recipe:
+    only bare "fp8" means the default recipe), naming the valid ones.
 
     Example:
         >>> fp8_policy_recipe("fp8"), fp8_policy_recipe("fp8-delayed"), fp8_policy_recipe("O2")
@@ -44,10 +45,11 @@ def fp8_policy_recipe(name: object) -> Optional[str]:
     """
     if not isinstance(name, str):
         return None
-    base, _, recipe = name.strip().partition("-")
+    base, dash, recipe = name.strip().partition("-")
     if base != "fp8":
         return None
-    recipe = recipe or Recipe.TENSORWISE.value
+    if not dash:
+        return Recipe.TENSORWISE.value
     if recipe not in {r.value for r in Recipe}:
         raise ValueError(f"unknown fp8 recipe {recipe!r} in policy {name.strip()!r}; valid: "
                          f"{', '.join(r.value for r in Recipe)} ({', '.join(FP8_POLICY_NAMES)})")
