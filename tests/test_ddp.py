@@ -59,6 +59,9 @@ class Case:
     fp8: Optional[str] = None  # a Float8Linear recipe (emulated on the CPU)
     dynamic: bool = False  # the apex loop's loss_scale="dynamic" (O3 has none by default)
     bucket_view: bool = False  # DDP(gradient_as_bucket_view=True): grads are bucket views
+    # Two micro-batches a step, the first inside DDP's no_sync(): "delay" passes it
+    # delay_unscale=True (apex's recipe), "each" unscales both (transformers' loop).
+    no_sync: Optional[str] = None
 
 
 CASES = {
@@ -78,6 +81,13 @@ CASES = {
     "fp8-tensorwise-grad": Case("torch", half=F16, inject="grad", group=True, fp8="tensorwise"),
     # DDP broadcasts rank 0's buffers, the amax histories among them, at every forward.
     "fp8-delayed": Case("torch", half=F16, inject="loss", fp8="delayed"),
+    # scale_loss set the held grads aside, so DDP reduced the last micro-batch alone and
+    # each rank added its own unreduced first one back: the replicas parted (apex too).
+    "O0-no_sync": Case("apex", "O0", no_sync="each"),
+    "O1-fp16-no_sync": Case("apex", "O1", F16, "loss", no_sync="each"),
+    "O1-bf16-no_sync-delay": Case("apex", "O1", BF16, "loss", no_sync="delay"),
+    "O2-fp16-no_sync-delay": Case("apex", "O2", F16, "loss", no_sync="delay"),
+    "O2-bf16-no_sync-delay": Case("apex", "O2", BF16, no_sync="delay"),
 }
 UNSYNCED = Case("torch", half=F16, inject="grad")  # the control: no process_group
 SKIPPING = [name for name, case in CASES.items() if case.inject]
@@ -145,6 +155,11 @@ def _apex(rank: int, case: Case) -> dict:
     record = _Record(model, lambda: [*model.parameters(), *amp.master_params(opt)])
     for step in range(STEPS):
         opt.zero_grad()
+        if case.no_sync:
+            with ddp.no_sync():  # accumulates locally; the next backward all-reduces the sum
+                first = ddp(_batch(rank + 10, step)).float().pow(2).mean()
+                with amp.scale_loss(first, opt, delay_unscale=case.no_sync == "delay") as scaled:
+                    scaled.backward()
         loss = ddp(_batch(rank, step)).float().pow(2).mean()
         with amp.scale_loss(_injected(loss, rank, step, case), opt) as scaled:
             scaled.backward()  # DDP all-reduces here; scale_loss unscales on exit

@@ -222,6 +222,9 @@ def _foreach() -> None:
            and dst[1].item() == 1.0, f"copied into {dst}")
     tc.foreach_add_(dst, src)
     _check("foreach_add_", dst[0].tolist() == [2.0, 2.0], f"added into {dst}")
+    tc.foreach_mul_(dst, torch.tensor(0.5))
+    _check("foreach_mul_", dst[0].tolist() == [1.0, 1.0] and dst[1].dtype is torch.float16
+           and dst[1].item() == 1.0, f"multiplied by a 0-dim tensor: {dst}")
 
 
 def _unflatten() -> None:
@@ -407,7 +410,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
-    "foreach_copy_": _foreach, "foreach_add_": _foreach, "sparse_values": _sparse_values,
+    "foreach_copy_": _foreach, "foreach_add_": _foreach, "foreach_mul_": _foreach, "sparse_values": _sparse_values,
     "unflatten_dense_tensors": _unflatten,
     "OptState": _opt_state,
     "STEP_SUPPORTS_AMP_SCALING": _step_supports,

@@ -49,7 +49,7 @@ __all__ = [
     "is_compiling", "dynamo_reset", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
-    "amp_update_scale_", "foreach_copy_", "foreach_add_", "unflatten_dense_tensors",
+    "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
     "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
     # nn.Module internals
@@ -209,6 +209,9 @@ amp_update_scale_ = _entry("torch._amp_update_scale_")
 foreach_copy_ = _entry("torch._foreach_copy_")
 # Multi-tensor add: put set-aside gradients back (scale_loss); since 1.7.
 foreach_add_ = _entry("torch._foreach_add_")
+# tensors *= a 0-dim tensor (scale_loss scales held unscaled grads back up); the Tensor
+# overload since 2.1.
+foreach_mul_ = _entry("torch._foreach_mul_")
 # (flat, tensors) -> views of ``flat`` shaped like ``tensors``, back to back, in one C++ call
 # (DDP's and apex's bucket views); the O2 move's fp32 gradient views; since 1.0.
 unflatten_dense_tensors = _entry("torch._C._nn.unflatten_dense_tensors")

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .. import _state
 from .._checks import as_list, check_bool
-from .._torch_compat import STEP_SUPPORTS_AMP_SCALING, Event, foreach_add_
+from .._torch_compat import STEP_SUPPORTS_AMP_SCALING, Event, foreach_add_, foreach_mul_
 from ..apply import OptimizerArg
 from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
 from ..scaler import GradScaler, check_floor, unscale_grads_
@@ -91,8 +91,15 @@ class _ScaleLoss:
                                                    self.delay_overflow_check)
         if loss.dtype is not torch.float32:
             loss = loss.float()
-        scaled = amp.scalers[loss_id].scale(loss) if amp.scaling else loss
-        self.held = [_set_aside(opt, stash) for opt, stash in zip(self.opts, self.stashes)]
+        scaler = amp.scalers[loss_id] if amp.scaling else None
+        scaled = scaler.scale(loss) if scaler is not None else loss
+        held = self.held = [_set_aside(opt, stash, scaler)
+                            for opt, stash in zip(self.opts, self.stashes)]
+        if scaled.requires_grad and any([entry.in_place for entry in held]):
+            started = _Started()  # whether a raising body's backward began (restore)
+            scaled.register_hook(started)
+            for entry in held:
+                entry.started = started
         return scaled
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -132,13 +139,22 @@ class _ScaleLoss:
 
 @dataclass(eq=False)
 class _Held:
-    """The grads an optimizer's params held before a scale_loss body, set aside.
+    """What an optimizer's params held when a scale_loss body began.
 
-    Backward then writes only the body's own gradients, so they can be unscaled apart
-    from grads an earlier scale_loss already unscaled, or dropped if the body raises.
-    ``own``: the params the optimizer steps itself (their ``.grad``); ``half``: the half
-    model params behind its fp32 masters (their grads are always still scaled). Only the
-    (param, grad) pairs whose grad was set are kept: after a zero_grad there are none.
+    In one process the held grads are set aside (``own_grads``, ``half_grads``), so the
+    body's backward writes only its own gradients: they are unscaled apart from grads an
+    earlier exit unscaled, and dropped alone if the body raises. In a run of several
+    processes they stay on the params instead (``in_place``): with DDP's ``no_sync()`` the
+    reducer all-reduces ``.grad`` itself at the synchronizing backward, so an accumulation
+    must be there whole. Grads still scaled then take the backward as they are, and grads
+    an earlier exit unscaled are first scaled up in place by this loss's scale
+    (``rescaled``; exact for a power-of-two scale), so the exit unscales them all together;
+    only unscaled fp16 grads, which scaling up could overflow, are still set aside.
+    Nothing is held after a zero_grad: the usual case costs nothing.
+
+    ``own``: the params the optimizer steps itself; ``half``: the half model params behind
+    its fp32 masters (their held grads are always still scaled). ``started``: set once the
+    scaled loss's backward began (watched only while grads are held in place).
     """
 
     own: list[Tensor]
@@ -146,10 +162,26 @@ class _Held:
     own_grads: list[tuple[Tensor, Tensor]]
     half_grads: list[tuple[Tensor, Tensor]]
     own_unscaled: bool
+    rescaled: list[Tensor]
+    inv_scale: Optional[Tensor] = None
+    in_place: bool = False
+    started: Optional["_Started"] = None
 
     def restore(self) -> None:
-        for param in self.own + self.half:
-            param.grad = None
+        """The body raised: undo what it did to these grads.
+
+        Grads set aside come back as they were. Grads held in place are as they were if
+        the backward had not begun (the scaling up is undone); after it began, the failed
+        backward may have added to them, which cannot be told apart, so these params'
+        grads are all dropped: no scaled or partial gradient is ever stepped.
+        """
+        if self.in_place and not (self.started is not None and self.started.value):
+            if self.rescaled:
+                with torch.no_grad():
+                    foreach_mul_(self.rescaled, self.inv_scale)
+        else:
+            for param in self.own + self.half:
+                param.grad = None
         for param, grad in self.own_grads + self.half_grads:
             param.grad = grad
 
@@ -170,14 +202,48 @@ class _Held:
             self.half_grads = []
 
 
-def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash) -> _Held:
+class _Started:
+    """A hook on the scaled loss: records that its backward began."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def __call__(self, grad: Tensor) -> None:
+        self.value = True
+
+
+def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
+               scaler: Optional[GradScaler]) -> _Held:
+    """What the optimizer's params hold before the body (see :class:`_Held`); ``scaler``:
+    this loss's, None under a fixed scale of 1 (nothing to scale up)."""
     own = own_params(optimizer)
     half = [] if stash.masters is None else stash.masters.model_params
-    held = _Held(own, half, [(p, p.grad) for p in own if p.grad is not None],
-                 [(p, p.grad) for p in half if p.grad is not None], stash.grads_unscaled)
-    for param, _ in held.own_grads + held.half_grads:
-        param.grad = None
-    return held
+    own_held = [p for p in own if p.grad is not None]
+    half_held = [p for p in half if p.grad is not None]
+    if not (own_held or half_held):
+        return _Held(own, half, [], [], stash.grads_unscaled, [])
+    unscaled = stash.grads_unscaled and scaler is not None
+    if not _several_processes():
+        held = _Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
+                     stash.grads_unscaled, [])
+        for param in own_held + half_held:
+            param.grad = None
+        return held
+    if unscaled and any([p.grad.dtype == torch.float16 for p in own_held]):
+        held = _Held(own, half, [(p, p.grad) for p in own_held], [], True, [],
+                     in_place=bool(half_held))
+        for param in own_held:
+            param.grad = None
+        return held
+    rescaled: list[Tensor] = []
+    if unscaled and own_held:
+        rescaled = [p.grad for p in own_held]
+        with torch.no_grad():
+            foreach_mul_(rescaled, scaler.scale_tensor())
+    return _Held(own, half, [], [], False, rescaled,
+                 scaler.inverse_scale() if rescaled else None, in_place=True)
 
 
 def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
@@ -185,22 +251,26 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     """After the body: unscale what its backward produced for an optimizer (unless
     ``delay``), move the model's half grads into the fp32 masters, add back what was held.
 
-    The half grads move on every exit, delayed or not, so micro-batches accumulate in fp32
-    in the masters; a delayed exit unscales them too (exact: a power-of-two multiply) and
-    its inf check is carried to the exit that does not delay. The optimizer's own (fp32)
-    grads stay scaled until that exit, as in apex.
+    The half grads move on every exit, so micro-batches accumulate in fp32 in the
+    masters; a delayed exit unscales them too (exact: a power-of-two multiply) and its inf
+    check is carried to the exit that does not delay. In a run of several processes a
+    delayed exit leaves them on the model instead: DDP's ``no_sync()`` accumulation must
+    be in ``.grad`` when its synchronizing backward all-reduces it. The optimizer's own
+    grads stay scaled until the exit that does not delay, as in apex.
     """
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
-    # unscaled join after it. (Nothing is held after a zero_grad: the usual case.)
+    # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
     if holding:
         held.add_back(own=delay or not held.own_unscaled, half=True)
     own = [] if delay else [p.grad for p in held.own if p.grad is not None]
+    masters = stash.masters
     if inv_scale is None or found_inf is None:  # a fixed scale of 1: nothing to unscale
-        if stash.masters is not None:
-            stash.masters.move_grads(None)
-    elif stash.masters is not None:
-        stash.masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf))
+        if masters is not None:
+            masters.move_grads(None)
+    elif masters is not None:
+        if not (delay and _several_processes()):
+            masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf))
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
     if holding:
@@ -208,6 +278,12 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # What the optimizer's own grads now hold; a delayed exit leaves them scaled. Set on
     # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
     stash.grads_unscaled = not delay
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several in a torch.distributed run."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
