@@ -832,3 +832,82 @@ def test_a_written_loss_scale_is_used_as_written_outside_the_bounds():
             assert torch.equal(scaled, loss.float() * value)
             scaled.backward()
         optimizer.zero_grad()
+
+
+# --- grads held in place (a run of several processes: DDP's no_sync) -------------------------
+@pytest.fixture
+def several_processes(monkeypatch):
+    """scale_loss as in one of several processes, without spawning them."""
+    import importlib
+    module = importlib.import_module("ampkit.frontend.scale_loss")  # the module, not the function
+    monkeypatch.setattr(module, "_several_processes", lambda: True)
+
+
+def _two_micro_batches(level: str, delay_first: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
+    optimizer.zero_grad()
+    for micro in range(2):
+        with scale_loss(_loss(model, micro), optimizer, delay_unscale=delay_first and micro == 0) as s:
+            s.backward()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("delay_first", [False, True])
+def test_grads_held_in_place_accumulate_like_grads_set_aside(several_processes, delay_first,
+                                                             monkeypatch):
+    model, optimizer = _two_micro_batches("O1", delay_first)
+    in_place = [p.grad.clone() for p in master_params(optimizer)]
+    monkeypatch.undo()  # one process: the grads are set aside
+    _state.set_active(None)
+    model, optimizer = _two_micro_batches("O1", delay_first)
+    assert all(torch.equal(a, p.grad) for a, p in zip(in_place, master_params(optimizer)))
+
+
+def test_an_o2_delayed_exit_leaves_half_grads_on_the_model_for_ddp(several_processes):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16)
+    optimizer.zero_grad()
+    with scale_loss(_loss(model, 0), optimizer, delay_unscale=True) as scaled:
+        scaled.backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.dtype == torch.bfloat16
+    assert all(m.grad is None for m in master_params(optimizer) if m.dim() == 2)
+    with scale_loss(_loss(model, 1), optimizer) as scaled:
+        scaled.backward()
+    assert model[0].weight.grad is None  # moved, unscaled, into the fp32 masters
+    grads = [m.grad for m in master_params(optimizer)]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(
+        several_processes):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1")
+    optimizer.zero_grad()
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
+        scaled.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="before"):
+        with scale_loss(_loss(model, 1), optimizer):  # scales the held grads up in place
+            raise ValueError("before backward")
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_a_body_raising_after_its_backward_drops_the_grads_held_in_place(several_processes):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1")
+    optimizer.zero_grad()
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
+        scaled.backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="after"):
+        with scale_loss(_loss(model, 1), optimizer) as scaled:
+            scaled.backward()  # adds scaled grads to the held ones: no longer separable
+            raise ValueError("after backward")
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step()  # nothing scaled or partial is stepped
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
