@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import ampkit
-from ampkit.distributed import TrainState, shard
+from ampkit.distributed import TrainState, load_checkpoint, shard
 
 
 class Block(nn.Module):
@@ -79,7 +79,8 @@ def main() -> None:
         scaler = ampkit.GradScaler(device.split(":")[0], enabled=policy.loss_scaling.dynamic)
         state = {"train": TrainState(model, optimizer, scaler), "step": 0}
         if args.load:
-            dcp.load(state, checkpoint_id=args.load)  # every rank reads its own shards
+            # every rank reads its own shards; a damaged checkpoint is refused unchanged
+            load_checkpoint(state, checkpoint_id=args.load)
         start = state["step"]
         for step in range(start, start + args.steps):
             tokens, target = batch(rank, step, device)

@@ -97,7 +97,8 @@ def _fsdp_modules(model: nn.Module) -> list[str]:
 # --- the public contract ---------------------------------------------------------------------
 def test_the_public_names_and_signatures():
     assert "distributed" in ampkit.__all__ and ampkit.distributed.shard is shard
-    assert set(ampkit.distributed.__all__) == {"fsdp_policy", "shard", "TrainState", "is_sharded"}
+    assert set(ampkit.distributed.__all__) == {"fsdp_policy", "shard", "TrainState",
+                                               "load_checkpoint", "is_sharded"}
     kinds = {name: (p.kind.name, p.default) for name, p in inspect.signature(shard).parameters.items()}
     assert kinds == {"model": ("POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
                      "policy": ("POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),

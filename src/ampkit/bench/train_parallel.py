@@ -268,11 +268,11 @@ def _finish_replace(path: str) -> None:
 
 def _load(trainer: RankTrainer, path: str) -> int:
     """Load the checkpoint into a freshly built rank; the number of epochs it holds."""
-    import torch.distributed.checkpoint as dcp
+    from ..distributed import load_checkpoint
 
     meta = read_meta(path)  # the parent checked its settings and nproc
     state = _state(trainer)
-    dcp.load(state, checkpoint_id=path)  # TrainState.load_state_dict runs inside
+    load_checkpoint(state, checkpoint_id=path)  # a damaged one is refused, nothing loaded
     load_fp8_state_dict(trainer.model.module, state["fp8"])
     torch.set_rng_state(state[f"rng.rank{trainer.rank}"])
     trainer.history = list(meta["history"])

@@ -5,6 +5,8 @@
   ``ampkit.initialize``, which refuses a sharded model).
 - :class:`TrainState`: model, optimizer and GradScaler as one ``torch.distributed.checkpoint``
   ``Stateful``, for an exact resume.
+- :func:`load_checkpoint`: ``dcp.load`` that reads into copies, so a damaged checkpoint is
+  refused with the live model, optimizer and scaler unchanged.
 - :func:`is_sharded`: whether a model holds FSDP2 modules or DTensor parameters.
 
 DDP needs nothing from here: ``initialize`` (or autocast + GradScaler) first, then wrap
@@ -15,7 +17,7 @@ See docs/distributed.md.
 """
 
 from ..apply import is_sharded
-from .checkpoint import TrainState
+from .checkpoint import TrainState, load_checkpoint
 from .fsdp import fsdp_policy, shard
 
-__all__ = ["fsdp_policy", "shard", "TrainState", "is_sharded"]
+__all__ = ["fsdp_policy", "shard", "TrainState", "load_checkpoint", "is_sharded"]

@@ -13,10 +13,18 @@ the optimizer state by the model's parameter names itself (master -> model param
 through ``MasterWeights``), and saves the model's fp32 state dict (the masters' values).
 That path serves unsharded models (plain or DDP, whose replicas every rank holds whole);
 ``shard`` needs no masters (FSDP2's fp32 shards are the masters).
+
+Loading: DCP reads into the tensors ``state_dict`` returned, and for the FSDP2 and DDP
+(O0/O1/O3) paths those are the live parameters and optimizer state (copies would double
+the memory of every save), so a checkpoint whose shard file is damaged (truncated, a
+corrupted zip header) makes plain ``dcp.load`` raise with part of the model possibly
+overwritten already. :func:`load_checkpoint` reads into copies and loads them only once every
+rank has read everything: a damaged checkpoint is refused with the live state unchanged.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
@@ -37,10 +45,21 @@ class TrainState:
         scaler: the GradScaler, or None (also leave it out when it is disabled: a disabled
             scaler has no state).
 
+    Saving with ``torch.distributed.checkpoint.save(state, ...)`` copies nothing: DCP
+    writes the live shards. Load with :func:`load_checkpoint` (the same arguments as
+    ``dcp.load``): it reads into copies, so a checkpoint that fails to read (a truncated
+    or corrupted shard file, on any rank) raises with the model, optimizer and scaler
+    unchanged on every rank. Plain ``dcp.load(state, ...)`` loads a good checkpoint the
+    same way, but in place: for FSDP2 and DDP at O0/O1/O3 DCP reads straight into the live
+    parameters and optimizer state (under O2 into copies), so when a shard file fails to
+    read it raises with part of them possibly overwritten already (the scaler unchanged).
+    Neither detects bytes flipped inside tensor data: DCP keeps no digest, so such a
+    checkpoint loads.
+
     Example:
-        >>> state = {"train": TrainState(model, optimizer, scaler)}  # doctest: +SKIP
+        >>> state = {"train": TrainState(model, optimizer, scaler), "step": step}  # doctest: +SKIP
         >>> torch.distributed.checkpoint.save(state, checkpoint_id="ckpt/step100")  # doctest: +SKIP
-        >>> torch.distributed.checkpoint.load(state, checkpoint_id="ckpt/step100")  # doctest: +SKIP
+        >>> load_checkpoint(state, checkpoint_id="ckpt/step100")  # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -85,10 +104,97 @@ class TrainState:
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
 
+    def _load_target(self) -> dict[str, Any]:
+        """What :func:`load_checkpoint` has DCP read into: :meth:`state_dict`, with copies
+        of the tensors that alias the live ones (the O2 path's are copies already)."""
+        return _clone(self.state_dict(), tensors=self._masters() is None)
+
     def _masters(self) -> Optional[MasterWeights]:
         if self.optimizer is None or is_sharded(self.model):
             return None
         return master_weights_of(self.optimizer)
+
+
+def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
+                    **dcp_kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load`` that changes nothing unless the read succeeds.
+
+    The same arguments as ``dcp.load`` (``storage_reader=``, ``planner=``,
+    ``process_group=`` pass through) and the same result on success: each ``Stateful``
+    value (a :class:`TrainState`, a module, an optimizer) gets ``load_state_dict`` with
+    what was read, tensors in other values are loaded in place and the other values
+    replaced (``state["step"]``). But DCP reads into copies first, so when it fails on any
+    rank (a truncated or corrupted shard file, a missing one, bad ``.metadata``, a
+    checkpoint of another model) every rank raises DCP's ``CheckpointException`` (a
+    ``BaseException``) with ``state_dict`` and the model, optimizer and scaler behind it
+    unchanged (a freshly built optimizer, whose state the read has to create, is left
+    without state again).
+
+    The copies cost one more copy of this rank's shards (model and optimizer state) for
+    the duration of the load; saves copy nothing. Bytes flipped inside tensor data are
+    not detected: DCP keeps no digest, so such a checkpoint loads.
+
+    Example:
+        >>> state = {"train": TrainState(model, optimizer, scaler), "step": 0}  # doctest: +SKIP
+        >>> load_checkpoint(state, checkpoint_id="ckpt/step100")  # doctest: +SKIP
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"load_checkpoint: state_dict must be a dict of what to load (as for "
+                        f"dcp.load), got {type(state_dict).__name__}")
+    fresh = [opt for value in state_dict.values() if isinstance(value, TrainState)
+             for opt in [value.optimizer] if opt is not None and not opt.state]
+    try:
+        targets: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            if isinstance(value, TrainState):
+                targets[key] = value._load_target()
+            elif isinstance(value, Stateful):
+                targets[key] = _clone(value.state_dict())
+            else:
+                targets[key] = _clone(value)
+        # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
+        dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    except BaseException:
+        for optimizer in fresh:  # state_dict() gave it zero state to load into: drop it
+            optimizer.state.clear()
+        raise
+    for key in sorted(state_dict):  # DCP's order
+        value = state_dict[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(targets[key])
+        else:
+            state_dict[key] = _write_back(value, targets[key])
+
+
+def _clone(value: Any, tensors: bool = True) -> Any:
+    """``value`` with new dicts and lists and (with ``tensors``) copies of its tensors."""
+    if isinstance(value, dict):
+        items = [(k, _clone(v, tensors)) for k, v in value.items()]
+        return type(value)(items) if type(value) in (dict, OrderedDict) else dict(items)
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_clone(v, tensors) for v in value)
+    return _copy(value) if tensors else value
+
+
+def _write_back(old: Any, new: Any) -> Any:
+    """What DCP's in-place load makes of ``old``: its tensors (and those in its dicts and
+    lists) get ``new``'s values in place; anything else is replaced by ``new``."""
+    if torch.is_tensor(old) and torch.is_tensor(new):
+        if old is not new:
+            with torch.no_grad():
+                old.copy_(new)
+        return old
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k, v in new.items():
+            old[k] = _write_back(old.get(k), v)
+        return old
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        old[:] = [_write_back(a, b) for a, b in zip(old, new)]
+        return old
+    return new
 
 
 # --- optimizers that step fp32 masters (O2) ----------------------------------------------------
