@@ -1,7 +1,7 @@
 """What ``ampkit.autotune`` costs beyond the steps it times.
 
 For each model, ``autotune(model, x, y, steps=S)`` is timed whole (wall clock) and
-compared with the sum of its candidates' timed steps (``TuneResult.rows[i]["timed_ms"]``:
+compared with the sum of its candidates' timed steps (``TuneResult.details[i]["timed_ms"]``:
 S - 2 steps each, the fp32 reference included). The difference is autotune's overhead:
 deep copies, applying each policy, building the optimizers, the two untimed warm-up steps
 per candidate (the first of which pays lazy initialisation), the device syncs around each
@@ -42,7 +42,7 @@ def tune_once(name: str, device: str, steps: int, seed: int) -> dict[str, Any]:
     result = ampkit.autotune(model, inputs, target, loss_fn=workload.loss_fn, steps=steps,
                              device=device)
     wall_ms = (time.perf_counter() - start) * 1e3
-    timed_ms = sum(r["timed_ms"] for r in result.rows)
+    timed_ms = sum(d["timed_ms"] for d in result.details)
     return {"wall_ms": wall_ms, "timed_ms": timed_ms, "overhead": wall_ms / timed_ms - 1,
             "candidates": [r["policy"] for r in result.rows], "chosen": result.policy}
 

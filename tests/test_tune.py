@@ -113,10 +113,11 @@ def test_an_fp8_candidate_without_a_faster_layer_is_not_trained(monkeypatch):
     monkeypatch.setattr("ampkit.tune.time_fp8_layers", _fake_timings(set()))
     x, y = _batch()
     result = ampkit.autotune(_fp8_model(), x, y, candidates=["fp8"], steps=4)
-    row = result.rows[1]
-    assert row["policy"] == "fp8" and row["step_ms"] is None and row["timed_steps"] == 0
+    row, detail = result.rows[1], result.details[1]
+    assert row["policy"] == detail["policy"] == "fp8" and row["step_ms"] is None
+    assert detail["timed_steps"] == 0
     assert not row["accepted"] and "no layer ran faster in fp8" in row["reason"]
-    assert row["fp8_modules"] == [] and [t["name"] for t in row["fp8_layers"]] == ["0", "2"]
+    assert detail["fp8_modules"] == [] and [t["name"] for t in detail["fp8_layers"]] == ["0", "2"]
     assert result.policy == "32-true" and result.fp8_modules == []
 
 
@@ -132,9 +133,9 @@ def test_an_fp8_candidate_converts_only_the_layers_measured_faster(monkeypatch):
     monkeypatch.setattr("ampkit.tune.convert_to_fp8", spy)
     x, y = _batch()
     result = ampkit.autotune(_fp8_model(), x, y, candidates=["fp8-delayed"], steps=4)
-    row = result.rows[1]
+    row, detail = result.rows[1], result.details[1]
     assert converted == [["2"]]
-    assert row["fp8_modules"] == ["2"] and row["timed_steps"] == 2 and row["step_ms"] > 0
+    assert detail["fp8_modules"] == ["2"] and detail["timed_steps"] == 2 and row["step_ms"] > 0
     assert row["max_loss_dev"] is not None and row["max_loss_dev"] < 0.05  # emulated fp8 trains
     # whatever the machine measured, the rule holds: fp8 only when faster than fp32
     assert (result.policy == "fp8-delayed") == row["accepted"]
@@ -225,3 +226,13 @@ def test_the_default_loss_takes_integer_targets_of_any_width(dtype):
     result = ampkit.autotune(_model(), x, torch.randint(0, 4, (32,), dtype=dtype),
                              candidates=["bf16-mixed"], steps=3)
     assert result.rows[0]["max_loss_dev"] == 0.0
+
+
+def test_rows_carry_exactly_the_contract_keys_and_details_the_rest():
+    """Rows carried timed_ms/timed_steps (and fp8 timings) beside the contract's six keys."""
+    x, y = _batch()
+    result = ampkit.autotune(_fp8_model(), x, y, candidates=["bf16-mixed"], steps=3)
+    assert [list(row) for row in result.rows] == [list(ampkit.tune.ROW_KEYS)] * 2
+    assert [d["policy"] for d in result.details] == [r["policy"] for r in result.rows]
+    assert all(d["timed_steps"] == 1 and d["timed_ms"] > 0 for d in result.details)
+    assert result.to_dict()["details"] == result.details

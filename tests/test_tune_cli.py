@@ -25,7 +25,7 @@ def test_tune_prints_the_table_and_the_choice_and_writes_json(tmp_path, capsys):
     if doc["recommended"] != "32-true":  # the rule, on what this run measured
         assert chosen["accepted"] and chosen["step_ms"] < rows[0]["step_ms"]
         assert chosen["max_loss_dev"] <= 0.02
-    assert all(r["timed_steps"] == 2 for r in rows)
+    assert all(d["timed_steps"] == 2 for d in doc["result"]["details"])
     assert doc["settings"]["threads"] == 1 and doc["settings"]["candidates"] == [r["policy"] for r in rows]
     assert any(line.lstrip().startswith(rows[0]["policy"]) for line in lines)
     assert lines[-1].startswith(f"Chosen: {doc['recommended']}:")

@@ -50,6 +50,11 @@ def fp8_recipe(name: str) -> Optional[str]:
         return None
 
 
+# The keys of a TuneResult row (the contract's); the rest of a candidate's measurement goes
+# to TuneResult.details.
+ROW_KEYS = ("policy", "step_ms", "peak_mib", "max_loss_dev", "accepted", "reason")
+
+
 @dataclass
 class TuneResult:
     """What :func:`autotune` measured and chose.
@@ -59,10 +64,14 @@ class TuneResult:
             meaning bf16 autocast with ``fp8_modules`` in fp8).
         keep_fp32: module names kept in fp32 by the choice (none chosen this way yet).
         fp8_modules: module names the choice runs in fp8 (measured faster there).
-        rows: one dict per candidate: "policy", "step_ms" (median), "peak_mib" (CUDA's
-            allocator; None on a CPU), "max_loss_dev", "accepted", "reason", and
-            "timed_ms"/"timed_steps" (the sum and number of its timed steps).
+        rows: one dict per candidate with exactly the keys "policy", "step_ms" (median),
+            "peak_mib" (CUDA's allocator; None on a CPU), "max_loss_dev", "accepted",
+            "reason".
         speedup: fp32's step time over the chosen one's (1.0 for "32-true").
+        details: one dict per candidate, in the rows' order, with the rest of what was
+            measured: "policy", "timed_ms"/"timed_steps" (the sum and number of its timed
+            steps) and, for an fp8 candidate, "fp8_modules" and "fp8_layers" (each
+            layer's GEMM timing).
     """
 
     policy: str
@@ -70,11 +79,13 @@ class TuneResult:
     speedup: float
     keep_fp32: list[str] = field(default_factory=list)
     fp8_modules: list[str] = field(default_factory=list)
+    details: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "keep_fp32": list(self.keep_fp32),
                 "fp8_modules": list(self.fp8_modules), "speedup": self.speedup,
-                "rows": [dict(row) for row in self.rows]}
+                "rows": [dict(row) for row in self.rows],
+                "details": [dict(detail) for detail in self.details]}
 
     def apply(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
               ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
@@ -169,10 +180,14 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
         for step in range(steps):
             for run in trained:  # interleaved: A B C A B C ...
                 run.step(batch, loss_fn, timed=step >= 2)
-    rows = [run.row(runs[0].losses) for run in runs]
+    measured = [run.row(runs[0].losses) for run in runs]
+    rows = [{key: row[key] for key in ROW_KEYS} for row in measured]
+    details = [{key: value for key, value in row.items() if key == "policy" or key not in ROW_KEYS}
+               for row in measured]
     chosen, speedup = choose(rows, max_loss_dev)
     chosen_run = next(run for run in runs if run.name == chosen)
-    return TuneResult(chosen, rows, speedup, fp8_modules=list(chosen_run.fp8_modules))
+    return TuneResult(chosen, rows, speedup, fp8_modules=list(chosen_run.fp8_modules),
+                      details=details)
 
 
 def _fp8_layers(model: nn.Module, inputs: Any, device: str, name: str) -> list[LayerTiming]:
