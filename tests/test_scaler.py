@@ -747,3 +747,16 @@ def test_unscale_goes_through_the_unscale_grads_hook_a_subclass_overrides():
         scaler.step(optimizer)
         scaler.update()
     assert calls == {torch.amp.GradScaler: 1, GradScaler: 1}
+
+
+@pytest.mark.parametrize("method", ["step", "unscale_"])
+def test_a_non_optimizer_is_refused_before_any_state_changes(method):
+    """It raised torch's AttributeError after recording per-optimizer state, and the scaler
+    then refused to pickle ("only at the beginning of an iteration")."""
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer .* got "
+                                        r"object") as error:
+        getattr(scaler, method)(object())
+    assert isinstance(error.value, AttributeError)  # what torch raises there
+    assert pickle.loads(pickle.dumps(scaler)).get_scale() == 2.0**16

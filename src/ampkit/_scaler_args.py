@@ -31,6 +31,17 @@ class _StateError(RuntimeError, AssertionError):
     """A call out of order: a RuntimeError, and also the AssertionError torch raises there."""
 
 
+class _NotAnOptimizerError(TypeError, AttributeError):
+    """Not an optimizer: a TypeError, and also the AttributeError torch raises there."""
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse what is not an optimizer (no ``param_groups``) before any state is touched."""
+    if not hasattr(optimizer, "param_groups"):
+        raise _NotAnOptimizerError(f"optimizer must be a torch.optim.Optimizer (something with "
+                                   f"param_groups), got {type(optimizer).__name__} {optimizer!r}")
+
+
 def _real(name: str, value: Any, valid: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number in {valid}, got "

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _backoff_factor,
                            _bounds, _check_group, _count, _device_type, _enabled, _growth_factor,
-                           _in_range)
+                           _in_range, check_optimizer)
 # OptState: torch's own enum objects, so code that inspects ``_per_optimizer_states``
 # stages keeps working.
 from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_
@@ -75,6 +75,8 @@ class ScalerStats:
 # whether it sits at its floor: a real streak is caught (16 backoffs take the default
 # 2**16 to 1) while an isolated overflow never costs a read.
 _FLOOR_CHECK_STREAK = 16
+# Optimizer classes step/unscale_ have seen with param_groups: checked once, not per step.
+_CHECKED_OPTIMIZERS: set[type] = set()
 _FOLD_EVERY = 64  # updates whose overflow flags are kept before the skip counters fold them
 
 
@@ -350,6 +352,9 @@ class GradScaler:
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
+        if optimizer.__class__ not in _CHECKED_OPTIMIZERS:
+            check_optimizer(optimizer)
+            _CHECKED_OPTIMIZERS.add(optimizer.__class__)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the "
@@ -426,6 +431,9 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
+        if optimizer.__class__ not in _CHECKED_OPTIMIZERS:
+            check_optimizer(optimizer)  # before the per-optimizer state below exists
+            _CHECKED_OPTIMIZERS.add(optimizer.__class__)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
