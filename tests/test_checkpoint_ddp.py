@@ -90,22 +90,28 @@ def test_o2_state_is_keyed_by_the_model_parameter_names(one_rank):
                if v.dim() > 0)
 
 
-def test_o2_load_of_another_model_changes_nothing(one_rank, tmp_path):
-    """A checkpoint of a wider model: refused, and neither model nor optimizer changes."""
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_load_of_another_model_changes_nothing(one_rank, tmp_path, level):
+    """A checkpoint of a wider model: refused, and neither model nor optimizer changes.
+    (torch 2.5's DCP read the wider tensors into the narrower ones, in part, silently.)"""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    from ampkit.distributed import load_checkpoint
 
-    ddp, optimizer = _fresh("O2", width=32)
+    ddp, optimizer = _fresh(level, width=32)
     _steps(ddp, optimizer, 0, range(1))
     dcp.save({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
-    ddp, optimizer = _fresh("O2")
+    ddp, optimizer = _fresh(level)
     _steps(ddp, optimizer, 0, range(1))
     before = [p.clone() for p in ddp.parameters()] + [
         v.clone() for s in optimizer.state.values() for v in s.values()]
     train = TrainState(ddp, optimizer)
-    with pytest.raises(CheckpointException) as refused:  # a BaseException, per rank
-        dcp.load({"train": train}, checkpoint_id=str(tmp_path))
-    assert "Size mismatch" in str(refused.value.failures)
+    with pytest.raises(ValueError, match=r"the checkpoint's 'train.model.0.weight' has shape "
+                                         r"\(32, 8\), this run's has \(16, 8\)"):
+        load_checkpoint({"train": train}, checkpoint_id=str(tmp_path))
+    after = list(ddp.parameters()) + [v for s in optimizer.state.values() for v in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    if level == "O1":
+        return
     after = list(ddp.parameters()) + [v for s in optimizer.state.values() for v in s.values()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     with pytest.raises(ValueError, match=r"optimizer state lacks \['0.bias'"):

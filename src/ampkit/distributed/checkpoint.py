@@ -155,6 +155,7 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
                 targets[key] = _clone(value.state_dict())
             else:
                 targets[key] = _clone(value)
+        _check_shapes(targets, checkpoint_id, dcp_kwargs.get("storage_reader"))
         # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
         dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
     except BaseException:
@@ -167,6 +168,41 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
             value.load_state_dict(targets[key])
         else:
             state_dict[key] = _write_back(value, targets[key])
+
+
+def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any) -> None:
+    """Refuse a checkpoint whose tensors have other shapes than the ones to load into,
+    before anything is read: torch 2.5's DCP read a larger saved tensor into a smaller
+    one silently, in part. (Newer torch refuses it too, inside the read.)"""
+    import torch.distributed.checkpoint as dcp
+
+    if reader is None:
+        if checkpoint_id is None:
+            return  # DCP itself says what is missing
+        reader = dcp.FileSystemReader(checkpoint_id)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata: DCP's own load reports it
+        return
+    for key, tensor in _flat_tensors(targets):
+        size = getattr(saved.get(key), "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            raise ValueError(f"load_checkpoint: the checkpoint's {key!r} has shape "
+                             f"{tuple(size)}, this run's has {tuple(tensor.shape)}; valid: a "
+                             "checkpoint of this model (nothing was loaded)")
+
+
+def _flat_tensors(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(key, tensor) pairs under DCP's flattened keys ("train.model.0.weight")."""
+    if torch.is_tensor(value):
+        return [(prefix, value)]
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    return [pair for k, v in items for pair in _flat_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
 
 
 def _clone(value: Any, tensors: bool = True) -> Any:
