@@ -125,14 +125,15 @@ def _parallel(name: Optional[str]) -> Parallel:
 
 
 def _check_fsdp(specs: list[PolicySpec], cuda: bool) -> None:
-    if TORCH_VERSION < (2, 6) and not cuda:
-        raise UsageError(f"--parallel fsdp on a CPU needs torch 2.6 or later (FSDP2 in torch "
-                         f"{torch.__version__} needs CUDA streams); valid: --parallel ddp")
+    # What the command asks first, then what this torch can do: the same message everywhere.
     for spec in specs:
         if spec.fp8_recipe is not None:
             raise UsageError(f"--parallel fsdp cannot run policy {spec.label!r}: the bench's fp8 "
                              "layers are not sharded by ampkit.distributed.shard; valid: "
                              "--parallel ddp for fp8, or policies without fp8 under fsdp")
+    if TORCH_VERSION < (2, 6) and not cuda:
+        raise UsageError(f"--parallel fsdp on a CPU needs torch 2.6 or later (FSDP2 in torch "
+                         f"{torch.__version__} needs CUDA streams); valid: --parallel ddp")
 
 
 # --- the parent: launch torchrun, read what rank 0 wrote ---------------------------------------
