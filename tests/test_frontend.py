@@ -911,3 +911,17 @@ def test_a_body_raising_after_its_backward_drops_the_grads_held_in_place(several
     assert all(p.grad is None for p in model.parameters())
     optimizer.step()  # nothing scaled or partial is stepped
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_a_model_cast_to_half_before_an_fp32_level_is_warned_about(level):
+    """It trained in pure fp16 without masters, silently; apex warned ("you do not need to
+    call .half() on your model before passing it")."""
+    model = _model().half()
+    with pytest.warns(UserWarning, match=r"parameter '0.weight' is torch.float16, but opt_level "
+                                         rf"{level} trains fp32 parameters"):
+        initialize(model, opt_level=level)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        initialize(_model().half(), opt_level="O2", half_dtype=torch.float16)  # masters: fine
+        initialize(_model(), opt_level=level)

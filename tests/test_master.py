@@ -173,3 +173,31 @@ def test_sparse_grads_accumulate_across_scale_loss_calls():
     assert grad.is_sparse
     dense = grad.to_dense()
     assert torch.equal(dense[[0, 4]], torch.zeros(2, 4)) and dense[2].abs().sum() > 0
+
+
+def test_lbfgs_under_o2_evaluates_its_closure_at_the_current_masters():
+    """LBFGS keeps param_groups[0]['params'] (the list): initialize put a new list of
+    masters in the group, so LBFGS stepped the half params, whose grads were gone; and its
+    closure, called again inside one step, saw the weights the step began with."""
+    import ampkit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level="O2",
+                                         half_dtype=torch.float16, verbosity=0)
+    assert optimizer._params is optimizer.param_groups[0]["params"]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+    seen = []
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((model(x).float() - y) ** 2).mean()
+        seen.append(loss.item())
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        return loss
+    for _ in range(3):
+        optimizer.step(closure)
+    assert all(b < a for a, b in zip(seen[:6], seen[1:6]))  # each evaluation saw the new weights
+    assert ((model(x).float() - y) ** 2).mean().item() < 1e-3 < seen[0]

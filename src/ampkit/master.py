@@ -95,9 +95,12 @@ class MasterWeights:
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
-        """Replace each half parameter in ``param_groups`` by an fp32 master, in place."""
+        """Replace each half parameter in ``param_groups`` by an fp32 master, in place.
+
+        The group's list itself is filled anew, not replaced: an optimizer may hold it
+        (LBFGS keeps ``param_groups[0]["params"]`` as ``self._params``)."""
         for group in param_groups:
-            group["params"] = [self._adopt(p) for p in group["params"]]
+            group["params"][:] = [self._adopt(p) for p in group["params"]]
 
     def _adopt(self, param: Tensor) -> Tensor:
         if param.dtype not in HALF_DTYPES:

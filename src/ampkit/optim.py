@@ -143,6 +143,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     masters = stash.masters
     if masters is not None:
         masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
+        args, kwargs = _closure_on_current_masters(masters, args, kwargs)
     if stash.found_inf is not None:
         result = _fused_step(self, stash, args, kwargs)
     else:
@@ -153,6 +154,26 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # (model.zero_grad()) does not accumulate into the masters.
         masters.clear_master_grads()
     return result
+
+
+def _closure_on_current_masters(masters: MasterWeights, args: tuple, kwargs: dict
+                                ) -> tuple[tuple, dict]:
+    """A closure (``step(closure)``) that evaluates the model at the masters' current values.
+
+    An optimizer such as LBFGS calls its closure again inside one step, after changing
+    the masters: the half model must follow them first, or every evaluation sees the
+    weights the step started from.
+    """
+    closure = kwargs.get("closure", args[0] if args else None)
+    if not callable(closure):
+        return args, kwargs
+
+    def evaluate() -> Any:
+        masters.copy_to_model()
+        return closure()
+    if "closure" in kwargs:
+        return args, dict(kwargs, closure=evaluate)
+    return (evaluate, *args[1:]), kwargs
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,

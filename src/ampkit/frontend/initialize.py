@@ -75,6 +75,7 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                        explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32)
     # Nothing was modified above this line.
+    _warn_about_half_params(application.models, policy, level)
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
         return models if optimizers is None else (models, optimizers)
@@ -96,6 +97,24 @@ def _check_opt_level(opt_level: Any) -> str:
         hint = f" (a digit: did you mean 'O{str(opt_level).strip()}', with the letter O?)"
     raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid: "
                      f"{', '.join(repr(level) for level in OPT_LEVELS)}")
+
+
+def _warn_about_half_params(models: list[torch.nn.Module], policy: Policy, level: str) -> None:
+    """apex's warning: a level with fp32 parameters given a model already cast to half
+    trains it in pure half, without masters (initialize does not cast it back)."""
+    if policy.param_dtype != torch.float32:
+        return
+    for model in models:
+        for name, param in model.named_parameters():
+            if param.dtype in HALF_DTYPES:
+                warnings.warn(
+                    f"ampkit.initialize: parameter {name!r} is {param.dtype}, but opt_level "
+                    f"{level} trains fp32 parameters; it stays {param.dtype}, without fp32 "
+                    "master weights, so small updates are lost. You do not need to call "
+                    ".half() (or .to(bfloat16)) on a model before initialize: pass the fp32 "
+                    "model, and initialize casts what the level needs", UserWarning,
+                    stacklevel=3)
+                return
 
 
 def _warn_about_bf16_o3(level: str, policy: Policy) -> None:
