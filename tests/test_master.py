@@ -201,3 +201,33 @@ def test_lbfgs_under_o2_evaluates_its_closure_at_the_current_masters():
         optimizer.step(closure)
     assert all(b < a for a, b in zip(seen[:6], seen[1:6]))  # each evaluation saw the new weights
     assert ((model(x).float() - y) ** 2).mean().item() < 1e-3 < seen[0]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_overflow_inside_a_closure_reaches_no_weight(level):
+    """The closure's scale_loss flagged the overflow for the next step() while the current
+    one (LBFGS, inside which the closure ran) stepped the inf/NaN gradients."""
+    import ampkit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level=level,
+                                         half_dtype=torch.float16, verbosity=0)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    blow_up = [False]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((model(x).float() - y) ** 2).mean()
+        with ampkit.scale_loss(loss * (float("inf") if blow_up[0] else 1.0), optimizer) as scaled:
+            scaled.backward()
+        return loss
+    optimizer.step(closure)
+    blow_up[0] = True
+    optimizer.step(closure)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(m).all() for m in ampkit.master_params(optimizer))
+    blow_up[0] = False
+    before = ((model(x).float() - y) ** 2).mean().item()
+    optimizer.step(closure)  # not skipped: the overflow was this closure's step's
+    assert ((model(x).float() - y) ** 2).mean().item() < before

@@ -143,7 +143,8 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     masters = stash.masters
     if masters is not None:
         masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
-        args, kwargs = _closure_on_current_masters(masters, args, kwargs)
+    if args or kwargs:
+        args, kwargs = _checked_closure(self, stash, args, kwargs)
     if stash.found_inf is not None:
         result = _fused_step(self, stash, args, kwargs)
     else:
@@ -156,21 +157,33 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-def _closure_on_current_masters(masters: MasterWeights, args: tuple, kwargs: dict
-                                ) -> tuple[tuple, dict]:
-    """A closure (``step(closure)``) that evaluates the model at the masters' current values.
+def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
+                     kwargs: dict) -> tuple[tuple, dict]:
+    """``step(closure)``'s closure, made safe for an optimizer that calls it inside the step.
 
-    An optimizer such as LBFGS calls its closure again inside one step, after changing
-    the masters: the half model must follow them first, or every evaluation sees the
-    weights the step started from.
+    An optimizer such as LBFGS evaluates the closure again after changing the params: the
+    half model must first follow the masters (O2), or every evaluation sees the weights the
+    step began with. And an overflow a closure's ``scale_loss`` finds concerns this very
+    step, not the next: its inf/NaN grads are zeroed before the optimizer reads them (LBFGS
+    then ends the step; nothing non-finite reaches a weight).
     """
     closure = kwargs.get("closure", args[0] if args else None)
     if not callable(closure):
         return args, kwargs
+    masters = stash.masters
 
     def evaluate() -> Any:
-        masters.copy_to_model()
-        return closure()
+        if masters is not None:
+            masters.copy_to_model()
+        loss = closure()
+        if stash.skip_next:
+            stash.skip_next = False
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.zero_()
+        return loss
     if "closure" in kwargs:
         return args, dict(kwargs, closure=evaluate)
     return (evaluate, *args[1:]), kwargs
