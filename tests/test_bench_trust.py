@@ -280,3 +280,30 @@ def test_the_verdict_flags_doubts_and_far_loss_curves():
     assert "Provisional: the timings were not stable and the machine was busy" in \
         doc["recommendation"]["sentence"]
     assert "AdamW eps 0.0001" in verdict.notes(half)
+
+
+def test_the_loss_comparison_does_not_depend_on_how_many_rounds_ran():
+    """Δloss was the largest gap over every step run, and rounds are added while the
+    timings settle (a busy machine runs more): the same bench rejected bf16 at 96 steps
+    and accepted it at 20."""
+    from ampkit.bench.policies import parse_policy_list
+    from ampkit.bench.runner import BenchSettings, run_bench
+    specs = parse_policy_list("32-true,bf16-mixed", "cpu")
+    runs = []
+    for max_time in (0.0, 1e9):
+        settings = BenchSettings(model="mlp", steps=4, warmup=1, round_steps=2, threads=1,
+                                 device="cpu", max_time=max_time)
+        runs.append(run_bench(specs, settings, isolate=False))
+    short, long = runs
+    assert len(long[1]["step_times_ms"]) > len(short[1]["step_times_ms"])  # more rounds ran
+    assert [r["losses"] for r in long] == [r["losses"] for r in short]
+    assert len(short[0]["losses"]) == 5
+    assert [r["max_loss_dev"] for r in long] == [r["max_loss_dev"] for r in short]
+
+
+def test_an_interval_bound_is_never_rounded_onto_or_across_one():
+    """"0.78–1.00: slower" read as an interval that includes 1 (its bound was 0.996)."""
+    from ampkit.bench.verdict import interval
+    assert interval((0.78, 0.996)) == "0.78–0.996"
+    assert interval((1.004, 1.2)) == "1.004–1.20"
+    assert interval((0.9, 1.02)) == "0.90–1.02" and interval((1.0, 1.0)) == "1.00–1.00"

@@ -385,7 +385,13 @@ def _finite_or_none(value: float) -> Optional[float]:
 def summarise(spec: PolicySpec, settings: BenchSettings, workload: Workload,
               precision: Precision, times: list[float], losses: list[float],
               first_ms: Optional[float]) -> dict[str, Any]:
-    """The per-policy numbers: step time (median, spread), throughput, loss, scaler."""
+    """The per-policy numbers: step time (median, spread), throughput, loss, scaler.
+
+    The losses are those of the first ``warmup + steps`` steps, the same for every run:
+    rounds added while the timings settle train on (they are timed), but comparing their
+    losses too made Δloss, and so the recommendation, depend on how busy the machine was.
+    """
+    losses = losses[:settings.warmup + settings.steps]
     ordered = sorted(times)
     median = percentile(ordered, 0.5)
     half = spec.policy.half_dtype

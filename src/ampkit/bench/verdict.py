@@ -37,7 +37,24 @@ def speedup_cell(r: dict[str, Any], reference: bool = False) -> str:
     if r["speedup"] is None:
         return "n/a"
     ci = None if reference else r.get("speedup_ci")
-    return f"{r['speedup']:.2f}×" + ("" if ci is None else f" ({ci[0]:.2f}–{ci[1]:.2f})")
+    return f"{r['speedup']:.2f}×" + ("" if ci is None else f" ({interval(ci)})")
+
+
+def interval(ci: Sequence[float]) -> str:
+    """"0.50–0.58": a 95% interval of a speedup, each bound on its own side of 1.00.
+
+    Two decimals, or more where two would round a bound onto 1.00 or across it: an
+    interval shown as "0.78–1.00" read as "includes 1" while the verdict said slower.
+    """
+    return f"{_bound(ci[0])}–{_bound(ci[1])}"
+
+
+def _bound(value: float) -> str:
+    for digits in (2, 3, 4):
+        text = f"{value:.{digits}f}"
+        if value == 1 or (float(text) > 1) == (value > 1) and (float(text) < 1) == (value < 1):
+            return text
+    return f"{value:.6f}"
 
 
 def _percent(value: Optional[float], none: str = "non-finite") -> str:
@@ -234,7 +251,7 @@ def _policy_sentence(r: dict[str, Any], ref: dict[str, Any], tolerance: float) -
         pace = (f"{speed:.2f}× the speed of {ref['policy']} ({'faster' if speed >= 1 else 'slower'}"
                 "; no interval)")
     else:
-        pace = (f"{speed:.2f}× the speed of {ref['policy']} (95% interval {ci[0]:.2f}–{ci[1]:.2f}: "
+        pace = (f"{speed:.2f}× the speed of {ref['policy']} (95% interval {interval(ci)}: "
                 f"{_measurably(r)})")
     mem = "" if r["mem_ratio"] is None else f", {r['mem_ratio']:.2f}× its peak memory"
     dev = r.get("max_loss_rel_dev")
@@ -334,11 +351,11 @@ def recommendation_sentence(rec: dict[str, Any], results: Sequence[dict[str, Any
                + (f" ({others})" if others else ""))
     else:
         ci = chosen["speedup_ci"]
-        interval = "" if ci is None else f" (95% interval {ci[0]:.2f}–{ci[1]:.2f})"
+        shown = "" if ci is None else f" (95% interval {interval(ci)})"
         mem = ("" if chosen["mem_ratio"] is None else
                f", {chosen['mem_ratio']:.2f}× its peak memory")
         why = (f"the fastest within the {tolerance} loss tolerance: {chosen['speedup']:.2f}× the "
-               f"speed of {ref['policy']}{interval}{mem}, loss within "
+               f"speed of {ref['policy']}{shown}{mem}, loss within "
                f"{chosen['max_loss_dev'] * 100:.2g}% of fp32's")
         if ci is not None and ci[0] <= 1:
             why += (f"; but its interval includes 1×: no measurable difference from "
