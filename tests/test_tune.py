@@ -236,3 +236,11 @@ def test_rows_carry_exactly_the_contract_keys_and_details_the_rest():
     assert [d["policy"] for d in result.details] == [r["policy"] for r in result.rows]
     assert all(d["timed_steps"] == 1 and d["timed_ms"] > 0 for d in result.details)
     assert result.to_dict()["details"] == result.details
+
+
+def test_an_o_level_without_suffix_runs_in_the_devices_half_dtype():
+    """autotune read "O2" as fp16 on a CPU (get_policy's apex default) where bench, train
+    and doctor read it as the device's half dtype, bf16."""
+    x, y = _batch()
+    result = ampkit.autotune(_fp8_model(), x, y, candidates=["O2", "O2-bf16"], steps=3)
+    assert [r["policy"] for r in result.rows] == ["32-true", "O2-bf16"]

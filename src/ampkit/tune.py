@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ._dtypes import default_device_type, device_policies
+from ._dtypes import autocast_default_dtype, default_device_type, device_policies
 from ._loss import default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from .apply import apply_policy, loop_scaler
@@ -33,10 +33,11 @@ from .autocast import autocast
 from .fp8 import convert_to_fp8
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
-from .policy import get_policy
+from .policy import OPT_LEVELS, get_policy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _REFERENCE = "32-true"
+_HALF_SUFFIX = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _FP8_COMPUTE = FP8_BASE_POLICY  # what runs around the fp8 layers (and what they replace)
 FP8_CANDIDATES = FP8_POLICY_NAMES
 
@@ -170,6 +171,7 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device)
     _check_inputs(inputs)
     device = device or next((p.device.type for p in model.parameters()), default_device_type())
+    names = distinct_candidates([on_device(name, device) for name in names])
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     batch = _to_device(inputs, device), _to_device(target, device)
     with _untouched_state():
@@ -222,6 +224,21 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
     for name in names:
         check_candidate(name)
     return distinct_candidates([_REFERENCE] + names)
+
+
+def on_device(name: str, device: str) -> str:
+    """An O-level without suffix with the device's half dtype written out ("O2" on a CPU is
+    "O2-bf16"), as ``ampkit bench`` and ``doctor`` read it; other names as they are.
+
+    Example:
+        >>> on_device("O2", "cpu"), on_device("bf16-mixed", "cpu"), on_device("O0", "cpu")
+        ('O2-bf16', 'bf16-mixed', 'O0')
+    """
+    level = name.strip() if isinstance(name, str) else name
+    if level not in OPT_LEVELS or get_policy(level).half_dtype is None:
+        return name
+    half = autocast_default_dtype(torch.device(device).type)
+    return f"{level}-{_HALF_SUFFIX[half]}"
 
 
 def distinct_candidates(names: Sequence[str]) -> list[str]:
