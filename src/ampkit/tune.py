@@ -125,8 +125,8 @@ def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, fl
             row["reason"] = row.get("reason") or "not measured"
         elif row["max_loss_dev"] is None or row["max_loss_dev"] > max_loss_dev:
             row["accepted"] = False
-            row["reason"] = (f"loss moved {row['max_loss_dev']:.3g} from fp32's (more than "
-                             f"{max_loss_dev:g})" if row["max_loss_dev"] is not None
+            row["reason"] = (f"loss moved {row['max_loss_dev'] * 100:.3g}% from fp32's (more "
+                             f"than {max_loss_dev * 100:g}%)" if row["max_loss_dev"] is not None
                              else "loss not finite")
         elif row["step_ms"] >= reference["step_ms"]:
             row["accepted"] = False
