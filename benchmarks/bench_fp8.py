@@ -1,6 +1,6 @@
 """FP8 training speed: ampkit.fp8 against bf16 autocast and torchao.float8, in one run.
 
-Two levels, both on the shapes of the reference figures in ../shared/GPU.md:
+Two levels, both on the shapes of the project's reference H200 figures (BENCHMARKS.md):
 - GEMM: bf16 ``mm`` against fp8 GEMMs with pre-cast operands, with a dynamic cast of
   the activation (weight cast once, as Float8Linear does per step), and with dynamic
   casts of both operands; the casting variants are torch.compile'd.

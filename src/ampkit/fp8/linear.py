@@ -223,7 +223,8 @@ def _warn_emulation_once(device: torch.device) -> None:
     _emulation_warned.add(device.type)
     warnings.warn(f"ampkit.fp8: no fp8 tensor cores on {device.type!r}; Float8Linear emulates "
                   "fp8 matmuls there (same numerics, no speed-up). Pass "
-                  "Float8Config(emulate=True) to silence this.", stacklevel=_caller_stacklevel())
+                  "convert_to_fp8(model, recipe=Float8Config(\"tensorwise\", emulate=True)) "
+                  "to silence this.", stacklevel=_caller_stacklevel())
 
 
 def _caller_stacklevel() -> int:

@@ -1,9 +1,9 @@
 """Which Linear layers to run in fp8: measured on the device, layer by layer.
 
 An fp8 GEMM is faster than a bf16 one only where the matmul is large enough to pay for
-its casts (on an H200, fp8 with a per-call cast of both operands lost to bf16 at a
-d=1024 GPT's shapes and won at 8192x8192: ``../shared/GPU.md``). A global switch picks
-wrong at one end or the other. :func:`time_fp8_layers` records the input each eligible
+its casts (on the project's reference H200, fp8 with a per-call cast of both operands
+lost to bf16 at a d=1024 GPT's shapes and won at 8192x8192). A global switch picks wrong
+at one end or the other. :func:`time_fp8_layers` records the input each eligible
 nn.Linear sees in one forward of the model, then times that layer's forward and backward
 at that shape in bf16 autocast and as a Float8Linear, interleaved, on the layer's
 device; :func:`faster_fp8_layers` keeps the layers where fp8 was faster. ``autotune``
