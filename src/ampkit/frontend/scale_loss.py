@@ -95,11 +95,13 @@ class _ScaleLoss:
         scaled = scaler.scale(loss) if scaler is not None else loss
         held = self.held = [_set_aside(opt, stash, scaler)
                             for opt, stash in zip(self.opts, self.stashes)]
-        if scaled.requires_grad and any([entry.in_place for entry in held]):
-            started = _Started()  # whether a raising body's backward began (restore)
-            scaled.register_hook(started)
-            for entry in held:
-                entry.started = started
+        for entry in held:  # a loop, not any(): this runs every step
+            if entry.in_place and scaled.requires_grad:
+                started = _Started()  # whether a raising body's backward began (restore)
+                scaled.register_hook(started)
+                for each in held:
+                    each.started = started
+                break
         return scaled
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
