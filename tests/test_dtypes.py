@@ -82,3 +82,13 @@ def test_one_policy_table_answers_info_bench_and_autotune(monkeypatch, cap, reco
 
     for name in candidates:  # each a policy name, or an fp8 candidate autotune resolves
         assert fp8_recipe(name) is not None or get_policy(name) is not None
+
+
+def test_cast_tree_keeps_a_defaultdicts_factory():
+    """It came back a plain dict: a missing key then raised KeyError inside a region only."""
+    import collections
+    from ampkit._dtypes import cast_tree
+    tree = collections.defaultdict(list, x=torch.ones(1))
+    cast = cast_tree(tree, torch.bfloat16)
+    assert type(cast) is collections.defaultdict and cast["missing"] == []
+    assert cast["x"].dtype is torch.bfloat16 and "missing" not in tree

@@ -295,3 +295,110 @@ def test_decorators_refuse_non_callables(decorator, bad):
     with pytest.raises(TypeError, match=rf"{decorator.__name__}\(\) needs a callable, got "
                                         rf"{type(bad).__name__} {bad!r}"):
         decorator(bad)
+
+
+# --- found by an outside probe (2026-12-01) ------------------------------------------------
+class _Ops:
+    @staticmethod
+    def scale(x, y):
+        return x * y
+
+    @classmethod
+    def who(cls):
+        return cls.__name__
+
+
+class _SubOps(_Ops):
+    pass
+
+
+def test_static_class_and_inherited_attributes_are_registered_and_restored_as_they_were():
+    """The resolved value was written back: a staticmethod became a plain function (an
+    instance call then passed self), a classmethod was bound to the base class, and an
+    inherited attribute became the class's own, outside any region and after remove()."""
+    regs = [ampkit.register_float_function(_Ops, "scale"),
+            ampkit.register_float_function(_Ops, "who"),
+            ampkit.register_half_function(torch.Tensor, "cumprod")]
+    x = torch.ones(2)
+    for _ in range(2):  # outside, then inside a region
+        assert torch.equal(_Ops().scale(x, x), x) and _SubOps.who() == "_SubOps"
+        with autocast("cpu", dtype=torch.bfloat16):
+            assert _Ops().scale(x.bfloat16(), x).dtype is torch.float32
+            assert _SubOps.who() == "_SubOps" and x.cumprod(0).dtype is torch.bfloat16
+    for reg in regs:
+        reg.remove()
+    assert isinstance(vars(_Ops)["scale"], staticmethod) and isinstance(vars(_Ops)["who"], classmethod)
+    assert "cumprod" not in vars(torch.Tensor)  # inherited again
+
+
+def test_out_and_in_place_write_into_the_callers_tensors():
+    """The op wrote into cast copies: out= and in-place methods silently kept old values."""
+    ampkit.register_half_function(torch, "cumsum")
+    ampkit.register_float_function(torch.Tensor, "add_")
+    buf, y = torch.zeros(4), torch.zeros(3, dtype=torch.bfloat16)
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert torch.cumsum(torch.arange(4.0), 0, out=buf) is buf
+        assert y.add_(1) is y
+    assert buf.tolist() == [0.0, 1.0, 3.0, 6.0] and y.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_decorated_function_outside_any_region_does_not_read_its_arguments(monkeypatch):
+    """It walked every argument looking for a tensor before asking whether any region was
+    open: a list of 100k ints cost 30 ms a call."""
+    fn = ampkit.half_function(lambda xs: len(xs))
+    monkeypatch.setattr(overrides, "_tensors", lambda values: pytest.fail("arguments read"))
+    assert fn(list(range(10))) == 10
+
+
+def test_a_half_function_keeps_autocast_for_tensors_it_did_not_receive():
+    """Autocast was off inside: a decorated block using an fp32 layer's weight raised a
+    dtype mismatch, where apex's decorators (and plain autocast) ran it."""
+    layer = torch.nn.Linear(4, 4)
+
+    @ampkit.half_function
+    def block(x):
+        return layer(x)
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert block(torch.randn(2, 4)).dtype is torch.bfloat16
+
+
+def test_torch_autocast_nested_inside_decides_for_the_overrides_too():
+    """Only ampkit's own switches reached the overrides: torch's idiom for an fp32 block
+    left a half function half, and a nested fp16 region left it bf16."""
+    ampkit.register_half_function(torch, "cumsum")
+    x = torch.randn(4)
+    with autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", enabled=False):
+            assert torch.cumsum(x, 0).dtype is torch.float32
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.cumsum(x, 0).dtype is torch.float16
+
+
+def test_registering_the_same_function_again_is_a_no_op_as_in_apex():
+    first = ampkit.register_float_function(torch, "mm")
+    assert ampkit.register_float_function(torch, "mm") is first
+
+
+def test_a_patch_made_after_registration_is_wrapped_and_kept():
+    """The stored original was put back at every region exit: a mock.patch made after the
+    registration was bypassed inside regions and undone by the first exit."""
+    from unittest import mock
+    ampkit.register_float_function(torch, "tanh")
+    fake = lambda t: t * 0 + 7  # noqa: E731
+    with mock.patch.object(torch, "tanh", fake):
+        with autocast("cpu", dtype=torch.bfloat16):
+            assert torch.tanh(torch.ones(1, dtype=torch.bfloat16)).dtype is torch.float32
+            assert torch.tanh(torch.ones(1)).item() == 7
+        assert torch.tanh is fake
+    assert torch.tanh(torch.zeros(1)).item() == 0.0
+
+
+def test_a_decorator_above_staticmethod_decorates_its_function():
+    class C:
+        @ampkit.float_function
+        @staticmethod
+        def st(x):
+            return x
+    x = torch.ones(1, dtype=torch.bfloat16)
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert C().st(x).dtype is C.st(x).dtype is torch.float32

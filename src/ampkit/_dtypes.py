@@ -7,6 +7,7 @@ the caller did not say.
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
@@ -113,9 +114,13 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _rebuild_mapping(original: dict, cast: dict) -> dict:
+    """A mapping of ``original``'s type holding ``cast`` (a defaultdict keeps its factory)."""
     try:
-        return type(original)(cast)
-    except TypeError:  # a dict subclass whose constructor takes something else
+        rebuilt = copy.copy(original)  # the subclass and its state (default_factory, ...)
+        rebuilt.clear()
+        rebuilt.update(cast)
+        return rebuilt
+    except Exception:  # noqa: BLE001 - a mapping that cannot be copied or refilled
         return cast
 
 

@@ -6,7 +6,11 @@ somewhere in the process, and the wrapper casts only in a thread whose innermost
 ampkit.autocast region for the arguments' device type is enabled. With no active region
 the original function is in place, so an override costs nothing outside autocast.
 fp16, bf16 and fp32 tensor arguments (nested in lists, tuples and dicts too) are cast;
-fp64 and non-float tensors keep their dtype, as under torch's autocast.
+fp64 and non-float tensors keep their dtype, as under torch's autocast. torch's own switch
+decides too: a ``torch.autocast(enabled=False)`` nested in the region turns the overrides
+off, a nested ``torch.autocast(dtype=...)`` sets "half". ``out=`` and in-place methods
+write into the caller's tensors. A staticmethod, classmethod or inherited attribute is
+put back exactly as it was, and a value someone else set since (``mock.patch``) is kept.
 
 Example:
     >>> import torch, ampkit
@@ -23,6 +27,7 @@ import contextlib
 import enum
 import functools
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
@@ -30,6 +35,7 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
 from ._dtypes import cast_tree
+from ._torch_compat import get_autocast_dtype, is_autocast_enabled
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -172,37 +178,124 @@ def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> O
 
 
 def _casting_wrapper(fn: F, kind: CastKind) -> F:
+    in_place = _is_in_place(fn)
+    # A half Python function (a block of the user's, as apex's decorators wrapped) keeps
+    # autocast on inside, so fp32 tensors it did not receive (its layers' weights) are
+    # cast per op; a torch op, or anything run in fp32 or promoted, runs with autocast off,
+    # so torch's own per-op cast cannot undo the override.
+    autocast_inside = kind is CastKind.HALF and isinstance(fn, types.FunctionType)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _local.frames:  # no region in this thread: the arguments are not even read
+            return fn(*args, **kwargs)
         first = next(_tensors((args, kwargs)), None)
         frame = active_frame(None if first is None else first.device.type)
-        if frame is None:
+        # torch's own switch too: torch.autocast(enabled=False) nested inside an ampkit
+        # region turns the overrides off as it does torch's casts.
+        if frame is None or not is_autocast_enabled(frame.device_type):
             return fn(*args, **kwargs)
+        if kind is CastKind.HALF:  # a nested torch.autocast(dtype=...) decides, as for ops
+            frame = frame._replace(dtype=get_autocast_dtype(frame.device_type))
+        out = kwargs.pop("out", None)
         dtype = _target_dtype(kind, frame, args, kwargs)
         if dtype is not None:
-            args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
-        # Autocast off inside, so torch's own per-op cast cannot undo the override.
-        with _TorchAutocast(frame.device_type, enabled=False):
-            return fn(*args, **kwargs)
+            # An in-place method writes into its own tensor, in that tensor's dtype.
+            rest = _cast(args[1:], dtype) if in_place and args else _cast(args, dtype)
+            args, kwargs = (args[:1] + rest) if in_place and args else rest, _cast(kwargs, dtype)
+        if autocast_inside:
+            result = fn(*args, **kwargs)
+        else:
+            with _TorchAutocast(frame.device_type, enabled=False):
+                result = fn(*args, **kwargs)
+        return result if out is None else _write_out(out, result)
 
     wrapper.__ampkit_original__ = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
 
 
+def _is_in_place(fn: Callable[..., Any]) -> bool:
+    """torch's naming: ``add_`` writes into its tensor (``__iadd__``'s kind is not covered)."""
+    name = getattr(fn, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _write_out(out: Any, result: Any) -> Any:
+    """What ``out=`` promised: the result written into the caller's tensor(s)."""
+    with torch.no_grad():
+        if isinstance(out, torch.Tensor):
+            return out.copy_(result)
+        for target, value in zip(out, result):
+            target.copy_(value)
+    return out
+
+
 # --- registration -----------------------------------------------------------------------
+_MISSING = object()  # an attribute the module inherits: none of its own
+
+
+def _own(module: Any, name: str) -> Any:
+    """``module``'s own value of ``name`` (a staticmethod object, not its function), or
+    _MISSING when the value is inherited (or the object keeps no ``__dict__``)."""
+    try:
+        return vars(module).get(name, _MISSING)
+    except TypeError:  # no __dict__ (slots, builtins)
+        return _MISSING
+
+
 @dataclass
 class Registration:
-    """A registered override; ``remove()`` undoes it (tests use this to avoid leaks)."""
+    """A registered override; ``remove()`` undoes it (tests use this to avoid leaks).
+
+    ``raw``: the module's own attribute when registered (a staticmethod or classmethod
+    object as it is; _MISSING when inherited), which ``remove()`` and every region exit
+    put back exactly; ``original``: the function that runs; ``installed``: what a region
+    puts in its place (the wrapper, as a staticmethod or classmethod where ``raw`` was).
+    """
 
     module: Any
     name: str
     kind: CastKind
     original: Callable[..., Any]
     wrapper: Callable[..., Any]
+    raw: Any = _MISSING
+    installed: Any = None
+
+    @classmethod
+    def of(cls, module: Any, name: str, kind: CastKind) -> "Registration":
+        raw = _own(module, name)
+        if isinstance(raw, (staticmethod, classmethod)):
+            original = raw.__func__
+            wrapper = _casting_wrapper(original, kind)
+            installed: Any = type(raw)(wrapper)
+        else:
+            original = raw if raw is not _MISSING else getattr(module, name)
+            wrapper = installed = _casting_wrapper(original, kind)
+        return cls(module, name, kind, original, wrapper, raw, installed)
 
     def put_in_place(self, installed: bool) -> None:
-        """Set ``module.name`` to the wrapper (``installed``) or back to the original."""
-        setattr(self.module, self.name, self.wrapper if installed else self.original)
+        """Set ``module.name`` to the wrapper (``installed``) or back to what it was.
+
+        Someone else's value found there (a ``mock.patch`` made since) is respected: it
+        is what the next region wraps, and a region's exit leaves a value it did not put.
+        """
+        current = _own(self.module, self.name)
+        if installed:
+            if current is not self.raw and current is not self.installed:
+                self._rebase(current)
+            setattr(self.module, self.name, self.installed)
+        elif current is self.installed or (current is _MISSING and
+                                           getattr(self.module, self.name, None) is self.wrapper):
+            if self.raw is _MISSING:
+                delattr(self.module, self.name)  # inherited again, as before
+            else:
+                setattr(self.module, self.name, self.raw)
+
+    def _rebase(self, current: Any) -> None:
+        fresh = Registration.of(self.module, self.name, self.kind)
+        assert fresh.raw is current or current is _MISSING
+        self.original, self.wrapper = fresh.original, fresh.wrapper
+        self.raw, self.installed = fresh.raw, fresh.installed
 
     def remove(self) -> None:
         global _installed
@@ -227,10 +320,12 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
     with _lock:
         previous = _registry.get(key)
         if previous is not None:
+            if previous.kind is kind:
+                return previous  # the same registration again (setup run twice): as apex
             raise ValueError(f"{_module_name(module)}.{name} is already registered as a "
                              f"{previous.kind.value} function; call .remove() on that "
                              "registration (or ampkit.overrides.clear()) first")
-        reg = Registration(module, name, kind, original, _casting_wrapper(original, kind))
+        reg = Registration.of(module, name, kind)
         _check_installable(reg)
         _registry[key] = reg
         if _installed:
@@ -245,7 +340,9 @@ def _check_installable(reg: Registration) -> None:
     cause: Optional[Exception] = None
     try:
         reg.put_in_place(True)
-        took = getattr(reg.module, reg.name, None) is reg.wrapper
+        took = getattr(reg.module, reg.name, None) in (reg.wrapper, reg.installed) or (
+            isinstance(reg.installed, classmethod)
+            and getattr(getattr(reg.module, reg.name, None), "__func__", None) is reg.wrapper)
         reg.put_in_place(False)
     except Exception as err:  # noqa: BLE001 - any refusal to be set (read-only, frozen, ...)
         took, cause = False, err
@@ -304,6 +401,8 @@ def promote_function(fn: F) -> F:
 
 
 def _decorate(fn: F, kind: CastKind, decorator: str) -> F:
+    if isinstance(fn, staticmethod):  # above @staticmethod: decorate its function
+        return staticmethod(_decorate(fn.__func__, kind, decorator))  # type: ignore[return-value]
     if not callable(fn):
         raise TypeError(f"{decorator}() needs a callable, got {type(fn).__name__} {fn!r}; "
                         f"valid: a function or other callable (@ampkit.{decorator} on a def)")
