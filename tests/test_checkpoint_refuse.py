@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp  # a submodule: not imported with torch.distributed
 from torch import nn
 
 import ampkit
@@ -121,7 +122,7 @@ def _refused_unchanged(kind: str, rank: int, path: str, damage: str, file: str) 
 
     model, optimizer, scaler = _build(kind)
     _steps(model, optimizer, scaler, rank, range(2))
-    torch.distributed.checkpoint.save({"train": TrainState(model, optimizer, scaler),
+    dcp.save({"train": TrainState(model, optimizer, scaler),
                                        "step": 2}, checkpoint_id=path)
     dist.barrier()
     if rank == 0:
@@ -139,7 +140,7 @@ def _resume(kind: str, rank: int, path: str) -> tuple[list[float], list[float]]:
     """Losses of steps 2-3 unbroken, and after load_checkpoint into a fresh build."""
     model, optimizer, scaler = _build(kind)
     _steps(model, optimizer, scaler, rank, range(2))
-    torch.distributed.checkpoint.save({"train": TrainState(model, optimizer, scaler),
+    dcp.save({"train": TrainState(model, optimizer, scaler),
                                        "step": 2}, checkpoint_id=path)
     unbroken = _steps(model, optimizer, scaler, rank, range(2, 4)) + [scaler.get_scale()]
     model, optimizer, scaler = _build(kind)
@@ -184,7 +185,7 @@ def test_a_fresh_optimizer_stays_fresh_after_a_refused_load(one_rank, tmp_path, 
 
     model, optimizer, scaler = _build(kind)
     _steps(model, optimizer, scaler, 0, range(1))
-    torch.distributed.checkpoint.save({"train": TrainState(model, optimizer, scaler)},
+    dcp.save({"train": TrainState(model, optimizer, scaler)},
                                       checkpoint_id=str(tmp_path))
     _truncate(str(tmp_path), "__0_0.distcp")
     model, optimizer, scaler = _build(kind)
