@@ -129,3 +129,46 @@ def test_an_inconsistent_checkpoint_is_refused_with_one_line(capsys, ckpt, damag
     assert line.startswith(f"ampkit train: error: --resume: checkpoint {str(ckpt)!r}: ")
     for word in words:
         assert word in line, (word, line)
+
+
+def test_a_model_with_dropout_resumes_bitwise(tmp_path, monkeypatch):
+    """The one-process checkpoint held no random-number state: a resumed run with
+    Dropout drew other masks than the run that never stopped."""
+    (tmp_path / "dropmodels.py").write_text(
+        "from torch import nn\n"
+        "def drop():\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3),\n"
+        "                         nn.Linear(32, 10))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = TrainSettings(data="synthetic", model="dropmodels:drop", policy="32-true",
+                             epochs=2, batch_size=256)
+    straight = train(settings)
+    path = str(tmp_path / "d.pt")
+    train(TrainSettings(**{**settings.__dict__, "epochs": 1}), checkpoint=path)
+    torch.manual_seed(1234)  # whatever the process did in between
+    resumed = train(settings, checkpoint=path, resume=True)
+    def measured(record):
+        return {k: v for k, v in record.items() if k != "time_s"}
+    assert measured(resumed["epochs"][1]) == measured(straight["epochs"][1])
+    assert resumed["epochs"][1]["train_loss"] == straight["epochs"][1]["train_loss"]
+
+
+def test_a_strided_payload_is_refused_not_a_crash(capsys, tmp_path, ckpt):
+    """A flipped bit in the zip header made the payload strided: hashing it raised
+    ValueError (exit 1) instead of the refusal."""
+    record = torch.load(ckpt, weights_only=False)
+    payload = record["payload"]
+    record["payload"] = torch.stack([payload, payload], dim=1)[:, 0]  # same bytes, strided
+    torch.save(record, ckpt)
+    assert "is corrupted" in resume_error(capsys, ckpt)
+
+
+@pytest.mark.parametrize("text", ["", '{"format": "ampkit-tr'])
+def test_a_damaged_run_record_of_an_nproc_checkpoint_is_refused(tmp_path, text):
+    """A truncated or empty ampkit-train.json raised JSONDecodeError (exit 1)."""
+    from ampkit.bench.errors import UsageError
+    from ampkit.bench.train_parallel import META, read_meta
+    (tmp_path / META).write_text(text)
+    with pytest.raises(UsageError, match=r"cannot be read \(JSONDecodeError: .*\), the checkpoint "
+                                         r"is damaged; valid: an intact copy"):
+        read_meta(str(tmp_path))

@@ -193,7 +193,8 @@ class Trainer:
         state = {"format": _FORMAT, "settings": asdict(self.settings),
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.precision.scaler.state_dict(), "amp": None,
-                 "fp8": fp8_state_dict(self.model), "history": list(self.history)}
+                 "fp8": fp8_state_dict(self.model), "history": list(self.history),
+                 "rng": _rng_state()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -215,6 +216,8 @@ class Trainer:
         with _loading("scaler"):
             self.precision.scaler.load_state_dict(state["scaler"])
         self.history = list(state["history"])
+        if state.get("rng") is not None:  # (checkpoints of an earlier ampkit have none)
+            _set_rng_state(state["rng"])
 
     def save(self, path: str) -> None:
         """Write the checkpoint (see :func:`save_checkpoint`)."""
@@ -255,7 +258,8 @@ def _unseal(record: Any, path: str) -> Any:
         raise UsageError(f"--resume: {path!r} is not an ampkit train checkpoint (format "
                          f"{found!r}); valid: a file that ampkit train --checkpoint wrote")
     payload = record.get("payload")
-    ok = torch.is_tensor(payload) and payload.dtype == torch.uint8 and payload.dim() == 1
+    ok = (torch.is_tensor(payload) and payload.dtype == torch.uint8 and payload.dim() == 1
+          and payload.is_contiguous())  # a flipped bit in its header can make it strided
     if not ok or hashlib.sha256(payload.numpy()).hexdigest() != record.get("sha256"):
         raise UsageError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
                          "match the sha256 digest stored with it; valid: an intact copy, or "
@@ -310,7 +314,31 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
             valid = " or ".join("None" if t is type(None) else t.__name__ for t in types)
             raise UsageError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
                              "--checkpoint writes it")
+    rng = state.get("rng")
+    if rng is not None and not _valid_rng(rng):
+        raise UsageError("its 'rng' entry is not the random-number state ampkit train writes; "
+                         "valid: {'cpu': a uint8 tensor, 'cuda': None or a list of them}")
     check_resume_settings(state["settings"], settings)
+
+
+def _rng_state() -> dict[str, Any]:
+    """The global generators' state: dropout and other random ops continue exactly."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _valid_rng(rng: Any) -> bool:
+    def byte_state(t: Any) -> bool:
+        return torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1
+    return (isinstance(rng, dict) and byte_state(rng.get("cpu")) and
+            (rng.get("cuda") is None or (isinstance(rng["cuda"], list)
+                                         and all(byte_state(t) for t in rng["cuda"]))))
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def check_resume_settings(saved: dict[str, Any], settings: TrainSettings) -> None:

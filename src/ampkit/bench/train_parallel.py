@@ -76,8 +76,13 @@ def read_meta(path: str) -> dict[str, Any]:
     if not os.path.isfile(meta_path):
         raise UsageError(f"--resume: no ampkit train --nproc checkpoint at {path!r} (no {META}); "
                          "valid: the --checkpoint folder of an earlier run with --nproc")
-    with open(meta_path) as src:
-        meta = json.load(src)
+    try:
+        with open(meta_path) as src:
+            meta = json.load(src)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"--resume: {meta_path!r} cannot be read ({type(err).__name__}: "
+                         f"{err}), the checkpoint is damaged; valid: an intact copy, or start "
+                         "again without --resume") from None
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise UsageError(f"--resume: {meta_path!r} is not in format {_FORMAT!r}; valid: a "
                          "checkpoint that ampkit train --nproc wrote")
