@@ -13,15 +13,11 @@ sha256 digest of its bytes, which a resume checks (torch.load verifies no checks
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import math
-import os
-import re
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,14 +27,12 @@ from .data import DATASETS, Dataset, load_data
 from .policies import PolicySpec, loss_scaling_label, parse_policy
 from .precision import Precision, adam_eps, adamw_factory
 from .stepcheck import StepCheck, Warn
+from .checkpoint_file import FORMAT, load_checkpoint, save_checkpoint  # noqa: F401 - re-exported
 from .errors import UsageError
 from .workloads import (call_user_function, classification_loss, make_cnn,
                         make_mlp, make_resnet18)
 
 TRAIN_MODELS = "mlp, cnn, resnet18, or package.module:function"
-# Format 2: the file holds {"format", "sha256", "payload"}, the payload being the
-# torch.save bytes of the state; format 1 (no digest) is refused.
-_FORMAT, _UNSEALED_FORMAT = "ampkit-train-2", "ampkit-train-1"
 # The entries of a checkpoint's state and the types they have.
 _ENTRIES: dict[str, tuple[type, ...]] = {
     "settings": (dict,), "model": (dict,), "optimizer": (dict,), "scaler": (dict,),
@@ -190,7 +184,7 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue bitwise where this one stopped."""
-        state = {"format": _FORMAT, "settings": asdict(self.settings),
+        state = {"format": FORMAT, "settings": asdict(self.settings),
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.precision.scaler.state_dict(), "amp": None,
                  "fp8": fp8_state_dict(self.model), "history": list(self.history),
@@ -224,76 +218,6 @@ class Trainer:
         save_checkpoint(self.state_dict(), path)
 
 
-def save_checkpoint(state: dict[str, Any], path: str) -> None:
-    """Write ``state`` atomically (a crash mid-write leaves the previous file), sealed
-    with its digest; :func:`load_checkpoint` reads it back."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _remove_stale_temp_files(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(_seal(state), tmp)
-    os.replace(tmp, path)
-
-
-def _seal(state: dict[str, Any]) -> dict[str, Any]:
-    """The file's record: ``state`` serialized, with the sha256 digest of those bytes.
-
-    torch.load checks no CRC, so flipped bits in tensor data would load silently.
-    """
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
-    return {"format": _FORMAT, "sha256": hashlib.sha256(payload).hexdigest(),
-            "payload": torch.frombuffer(payload, dtype=torch.uint8)}
-
-
-def _unseal(record: Any, path: str) -> Any:
-    """The payload of a record that ``_seal`` wrote, once its digest matches."""
-    found = record.get("format") if isinstance(record, dict) else type(record).__name__
-    if found == _UNSEALED_FORMAT:
-        raise UsageError(f"--resume: checkpoint {path!r} has no sha256 digest (format "
-                         f"{found!r}, written by an earlier ampkit), so its content cannot be "
-                         f"verified; valid: a checkpoint in format {_FORMAT!r} (start again "
-                         "without --resume, or finish that run with the ampkit that wrote it)")
-    if found != _FORMAT:
-        raise UsageError(f"--resume: {path!r} is not an ampkit train checkpoint (format "
-                         f"{found!r}); valid: a file that ampkit train --checkpoint wrote")
-    payload = record.get("payload")
-    ok = (torch.is_tensor(payload) and payload.dtype == torch.uint8 and payload.dim() == 1
-          and payload.is_contiguous())  # a flipped bit in its header can make it strided
-    if not ok or hashlib.sha256(payload.numpy()).hexdigest() != record.get("sha256"):
-        raise UsageError(f"--resume: checkpoint {path!r} is corrupted: its content does not "
-                         "match the sha256 digest stored with it; valid: an intact copy, or "
-                         "start again without --resume")
-    return _read(io.BytesIO(payload.numpy()), path)
-
-
-def _remove_stale_temp_files(path: str) -> None:
-    """Remove the ``PATH.tmp<pid>`` files of saves that were killed mid-write.
-
-    Only that checkpoint's own temp files, and only when process ``pid`` is gone (a
-    POSIX check; elsewhere none are removed): a live writer keeps its file.
-    """
-    folder, name = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(name) + r"\.tmp(\d+)")
-    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
-        match = pattern.fullmatch(entry)
-        if match and not _process_exists(int(match.group(1))):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, entry))
-
-
-def _process_exists(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # no cheap, safe check (os.kill(pid, 0) signals on Windows)
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except (ProcessLookupError, OverflowError):
-        return False
-    except OSError:  # PermissionError: it exists, under another user
-        pass
-    return True
-
-
 @contextlib.contextmanager
 def _loading(entry: str) -> Iterator[None]:
     """Turn a loader's complaint about a checkpoint entry into a UsageError naming it."""
@@ -305,8 +229,8 @@ def _loading(entry: str) -> Iterator[None]:
 
 
 def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise UsageError(f"not an ampkit train checkpoint (format {_FORMAT!r} expected)")
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise UsageError(f"not an ampkit train checkpoint (format {FORMAT!r} expected)")
     for entry, types in _ENTRIES.items():
         if not isinstance(state.get(entry), types):
             found = ("is missing" if entry not in state
@@ -366,23 +290,6 @@ def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
                      else type(value).__name__)
             raise UsageError(f"its model state {key!r} has {found}; valid: shape "
                              f"{tuple(tensor.shape)} (this --model)")
-
-
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read a checkpoint (tensors and plain values only: no code runs on load)."""
-    _remove_stale_temp_files(path)
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume: no checkpoint at {path!r}; valid: the --checkpoint path "
-                         "of an earlier run")
-    return _unseal(_read(path, path), path)
-
-
-def _read(source: Union[str, io.BytesIO], path: str) -> Any:
-    try:
-        return torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated or foreign file can fail in many ways
-        raise UsageError(f"--resume: cannot read checkpoint {path!r} "
-                         f"({type(err).__name__}: {err})") from None
 
 
 def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
