@@ -17,7 +17,6 @@ import gc
 import math
 import statistics
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,6 +31,7 @@ from .._measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_
                       percentile, synchronize, STABLE_HALF_WIDTH)
 from .policies import PolicySpec, loss_scaling_label
 from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, train_step
+from .guarded import Guarded, failed, guarded  # noqa: F401 - failed: re-exported
 from .workloads import Workload, get_workload
 
 __all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "failed", "max_loss_deviation",
@@ -246,7 +246,7 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
         if settings.compile and not isolate:
             # One after another: each compiles in a fresh dynamo, which would throw away
             # an earlier policy's compiled code if they took turns in one process.
-            results = [_guarded(spec, lambda s=spec, t=tick: run_policy(s, settings, t))
+            results = [guarded(spec, lambda s=spec, t=tick: run_policy(s, settings, t))
                        for spec, tick in zip(specs, ticks)]
         else:
             runs = _start(specs, settings, isolate, stack)
@@ -258,83 +258,15 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
     return compare(results)
 
 
-def failed(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The error rows of ``run_bench``'s results (policies that raised)."""
-    return [r for r in results if "error" in r]
-
-
-def _error_row(spec: PolicySpec, err: BaseException) -> dict[str, Any]:
-    message = " ".join(str(err).split())
-    return {"policy": spec.label, "resolved": str(spec.policy),
-            "error": f"{type(err).__name__}: {message}"[:2000],
-            "traceback": traceback.format_exc(limit=-8)}
-
-
-def _free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _guarded(spec: PolicySpec, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``fn()``'s result, or an error row when it raises anything but a ``UsageError``."""
-    try:
-        return fn()
-    except UsageError:
-        raise
-    except Exception as err:  # noqa: BLE001 - one failing policy must not lose the others
-        row = _error_row(spec, err)
-    _free_device_memory()  # out of the except block: its traceback holds the failed frames
-    return row
-
-
-class _Guarded:
-    """A run (``PolicyRun`` or a worker standing in for one) whose failure is recorded in
-    ``error`` instead of raised; ``play_rounds`` then leaves it out of the later rounds."""
-
-    def __init__(self, spec: PolicySpec, make: Callable[[], Any]) -> None:
-        self.spec, self.label, self.error = spec, spec.label, None
-        self._run: Any = None
-        self._run = self._call(make)
-
-    @property
-    def round_ms(self) -> list[float]:
-        return [] if self._run is None else self._run.round_ms
-
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        result = _guarded(self.spec, lambda: {"value": fn(*args)})
-        if "error" in result:
-            self.error = result
-            if isinstance(self._run, PolicyRun):  # its model and batches: free them now
-                self._run = None
-                _free_device_memory()
-            return None
-        return result["value"]
-
-    def warm_up(self) -> None:
-        if self.error is None:
-            self._call(self._run.warm_up)
-
-    def run(self, steps: int) -> list[float]:
-        return ([] if self.error is not None else self._call(self._run.run, steps)) or []
-
-    def finish(self) -> dict[str, Any]:
-        if self.error is None:
-            result = self._call(self._run.finish)
-            if result is not None:
-                return dict(result, interleaved=True)
-        return self.error  # type: ignore[return-value]
-
-
 def _start(specs: list[PolicySpec], settings: BenchSettings, isolate: bool,
            stack: contextlib.ExitStack) -> list[Any]:
     from . import worker  # the process protocol; it imports this module
     if not (isolate and worker.CAN_FORK):
-        return [_Guarded(spec, lambda s=spec: PolicyRun(s, settings)) for spec in specs]
+        return [Guarded(spec, lambda s=spec: PolicyRun(s, settings)) for spec in specs]
     # A worker that fails to build its model fails start_workers as a whole (a
     # RuntimeError naming it); one that fails later becomes an error row.
     workers = worker.start_workers(specs, settings, stack)
-    return [_Guarded(spec, lambda w=w: w) for spec, w in zip(specs, workers)]
+    return [Guarded(spec, lambda w=w: w) for spec, w in zip(specs, workers)]
 
 
 def _quiet(done: int, total: int) -> None:
