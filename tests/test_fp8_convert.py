@@ -289,3 +289,13 @@ def test_ddp_single_process(tmp_path):
         gc.collect()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_layer_in_two_slots_is_counted_once_in_the_log(caplog):
+    """The log counted slots: one shared layer and one other read as 3 layers."""
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(32, 32))
+    with caplog.at_level(logging.INFO, logger="ampkit.fp8"):
+        convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert model[0] is model[2]
+    assert caplog.messages[-1] == "convert_to_fp8: 2 linear layer(s) now tensorwise fp8, 0 kept"

@@ -123,6 +123,9 @@ def test_bad_fp8_state_is_refused_before_anything_loads():
      r"\['amax_history_input'\] is a torch.float16 tensor of shape \(4,\)"),
     ("amax_history_input", [1.0, 1.0, 1.0, 1.0], TypeError,
      r"\['amax_history_input'\] must be a tensor, got list \[1.0"),
+    # torch.nonzero raised NotImplementedError there, naming no entry
+    ("amax_history_input", torch.zeros(4, device="meta"), TypeError,
+     r"\['amax_history_input'\] is a torch.strided tensor on meta \(no values to load\)"),
     ("started", 1, TypeError, r"\['started'\] must be True or False, got int 1"),
     ("started", torch.tensor(True), TypeError, r"\['started'\] must be True or False, got Tensor"),
 ])

@@ -135,7 +135,7 @@ def convert_to_fp8(model: nn.Module, *,
     for fqn, reason in skips:
         logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
-                len(swaps), config.short, len(skips))
+                len(converted), config.short, len(skips))  # a layer in two slots counts once
     return model
 
 

@@ -210,6 +210,9 @@ def _check_history(value: Any, like: Tensor, where: str) -> None:
         raise TypeError(f"{where} must be a tensor, got {type(value).__name__} {value!r}; {valid}")
     if value.shape != like.shape or value.dtype != like.dtype:
         raise ValueError(f"{where} is a {value.dtype} tensor of shape {tuple(value.shape)}; {valid}")
+    if value.device.type == "meta" or value.is_sparse:
+        raise TypeError(f"{where} is a {value.layout} tensor on {value.device} (no values to "
+                        f"load); {valid}")
     # A NaN or negative amax would give every later cast a NaN or negative scale.
     bad = (~value.isfinite() | (value < 0)).nonzero()  # one host sync, when loading only
     if len(bad):
