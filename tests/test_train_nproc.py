@@ -132,6 +132,15 @@ def test_two_ranks_save_and_resume_bitwise(tmp_path, capsys):
     unbroken = _train(tmp_path, "unbroken", "--epochs", "3")
     assert _losses(resumed) == _losses(unbroken)  # bitwise: floats compare exactly
     assert resumed["final"]["test_loss"] == unbroken["final"]["test_loss"]
+    # A damaged checkpoint (rank 1's shard gone) is refused with one line, exit 2; it was
+    # exit 1 with rank 1's whole remote traceback on one line.
+    capsys.readouterr()
+    (Path(ckpt) / "__1_0.distcp").unlink()
+    left = sorted(p.name for p in Path(ckpt).iterdir())
+    error = _usage_error(capsys, "--nproc", "2", "--epochs", "4", "--checkpoint", ckpt, "--resume")
+    assert "cannot be read, it is damaged (FileNotFoundError" in error  # every rank raises:
+    assert "__1_0.distcp" in error and "(rank " in error  # the first to report is named
+    assert sorted(p.name for p in Path(ckpt).iterdir()) == left
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from .errors import UsageError
+
 __all__ = ["RankError", "launch_ranks", "rank_main", "usable_cores", "write_rank_error"]
 
 _ERROR = "error-rank{}.json"
@@ -54,7 +56,8 @@ def launch_ranks(module: str, job: str, nproc: int, threads: int, folder: str, r
     if status != 0 or not os.path.exists(result):
         if os.environ.get("AMPKIT_DEBUG"):
             sys.stderr.write(log)
-        raise RankError(_failure(folder, log, status))
+        message, usage = _failure(folder, log, status)
+        raise (UsageError if usage else RankError)(message)
 
 
 def _launch(module: str, job: str, nproc: int, threads: int, folder: str,
@@ -110,8 +113,9 @@ def _rank_env(threads: int) -> dict[str, str]:
     return env
 
 
-def _failure(folder: str, log: str, status: int) -> str:
-    """One line: the rank that failed first and its error, from its file or torchrun's log."""
+def _failure(folder: str, log: str, status: int) -> tuple[str, bool]:
+    """One line: the rank that failed first and its error, from its file or torchrun's log;
+    and whether that error was a UsageError (bad input: the parent exits 2 with it)."""
     errors = []
     for name in os.listdir(folder):
         if name.startswith("error-rank"):
@@ -119,16 +123,18 @@ def _failure(folder: str, log: str, status: int) -> str:
                 errors.append(json.load(src))
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the others failed because it did
-        return f"rank {first['rank']} failed: {first['error']}"
+        if first.get("usage"):
+            return f"{first['message']} (rank {first['rank']})", True
+        return f"rank {first['rank']} failed: {first['error']}", False
     # No error file: the rank died without Python's help (a signal, os._exit, the OOM killer);
     # torchrun's report names the first that did under "Root Cause".
     root = log[log.find("Root Cause"):] if "Root Cause" in log else ""
     rank = re.search(r"\brank\s*:\s*(\d+)", root)
     code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
     if rank and code:
-        return f"rank {rank.group(1)} died: {_exit_reason(int(code.group(1)))}"
+        return f"rank {rank.group(1)} died: {_exit_reason(int(code.group(1)))}", False
     last = (log.strip().splitlines() or ["no output"])[-1]
-    return f"torchrun exited with status {status}: {' '.join(last.split())}"
+    return f"torchrun exited with status {status}: {' '.join(last.split())}", False
 
 
 def _exit_reason(code: int) -> str:
@@ -168,4 +174,5 @@ def write_rank_error(folder: str, rank: int, err: BaseException) -> None:
     message = " ".join(str(err).split())
     text = f"{type(err).__name__}: {message}" if message else type(err).__name__
     with open(os.path.join(folder, _ERROR.format(rank)), "w") as out:
-        json.dump({"rank": rank, "error": text, "time": time.time()}, out)
+        json.dump({"rank": rank, "error": text, "time": time.time(), "message": message,
+                   "usage": isinstance(err, UsageError)}, out)

@@ -277,11 +277,28 @@ def _load(trainer: RankTrainer, path: str) -> int:
 
     meta = read_meta(path)  # the parent checked its settings and nproc
     state = _state(trainer)
-    load_checkpoint(state, checkpoint_id=path)  # a damaged one is refused, nothing loaded
+    try:
+        load_checkpoint(state, checkpoint_id=path)  # a damaged one is refused, nothing loaded
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        if type(err).__name__ != "CheckpointException":
+            raise
+        raise UsageError(f"--resume: checkpoint {path!r} cannot be read, it is damaged "
+                         f"({_first_failure(err)}); valid: an intact copy, or start again "
+                         "without --resume") from None
     load_fp8_state_dict(trainer.model.module, state["fp8"])
     torch.set_rng_state(state[f"rng.rank{trainer.rank}"])
     trainer.history = list(meta["history"])
     return len(trainer.history)
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first rank's error in a DCP CheckpointException, in a few words."""
+    failures = getattr(err, "failures", None) or {}
+    first = next(iter(failures.values()), err)
+    # DCP wraps each rank's exception: (exception, its stack) in torch 2.13, or .exc
+    inner = first[0] if isinstance(first, tuple) and first else getattr(first, "exc", first)
+    text = " ".join(str(inner).split())
+    return f"{type(inner).__name__}: {text[:160]}" if text else type(inner).__name__
 
 
 if __name__ == "__main__":
