@@ -223,7 +223,7 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
                          f"{', '.join(native_candidates(device))}")
     for name in names:
         check_candidate(name)
-    return distinct_candidates([_REFERENCE] + names)
+    return [_REFERENCE] + names  # autotune drops repeats once the device names them
 
 
 def on_device(name: str, device: str) -> str:
