@@ -15,7 +15,7 @@ import torch
 
 from .._dtypes import HALF_DTYPES, autocast_default_dtype, device_policies, resolve_dtype
 from ..fp8 import Recipe
-from ..fp8.config import FP8_BASE_POLICY, fp8_policy_recipe
+from ..fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from ..policy import OPT_LEVELS, Policy, get_policy, preset_names
 from .errors import UsageError
 
@@ -24,11 +24,14 @@ AUTO = "auto"
 _F32 = torch.float32
 
 
-def valid_policies() -> str:
-    """The policy names ``--policies`` accepts, for error messages and help."""
-    return (", ".join(preset_names()) + "; O-levels take a half-dtype suffix (O2-bf16, "
-            f"O1-fp16); fp8[-{'|-'.join(FP8_RECIPES)}]; 'p=f32,c=bf16,o=f32'; or {AUTO} "
-            "(the policies this device runs natively)")
+def valid_policies(with_auto: bool = True) -> str:
+    """The policy names ``--policies`` accepts (``with_auto``), or one ``--policy`` does,
+    for error messages and help."""
+    names = (", ".join(preset_names()) + "; O-levels take a half-dtype suffix (O2-bf16, "
+             f"O1-fp16); {', '.join(FP8_POLICY_NAMES)}; ")
+    if not with_auto:
+        return names + "or 'p=f32,c=bf16,o=f32'"
+    return names + f"'p=f32,c=bf16,o=f32'; or {AUTO} (the policies this device runs natively)"
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class PolicySpec:
                 and not p.autocast)
 
 
-def parse_policy(name: str, device_type: str) -> PolicySpec:
-    """Resolve one policy name for a device type; UsageError names the valid ones."""
+def parse_policy(name: str, device_type: str, *, in_list: bool = False) -> PolicySpec:
+    """Resolve one policy name for a device type; UsageError names the valid ones (with
+    ``auto`` when ``in_list``: a name of a ``--policies`` list)."""
     label = name.strip()
     base, _, suffix = label.partition("-")
     try:
@@ -74,7 +78,7 @@ def parse_policy(name: str, device_type: str) -> PolicySpec:
     except (ValueError, TypeError) as err:
         if "=" in label:  # an explicit policy: the parser's message names the bad part
             raise UsageError(f"bad policy {label!r}: {err}") from None
-        raise UsageError(f"unknown policy {label!r}; valid: {valid_policies()}") from None
+        raise UsageError(f"unknown policy {label!r}; valid: {valid_policies(in_list)}") from None
     _check_runnable(label, policy)
     return PolicySpec(label, policy)
 
@@ -118,7 +122,7 @@ def parse_policy_list(text: str, device_type: str) -> list[PolicySpec]:
     """
     items = text.split(";") if ";" in text else _join_explicit(text.split(","))
     names = [name for item in items if item.strip() for name in _expand(item.strip(), device_type)]
-    specs = [parse_policy(name, device_type) for name in names]
+    specs = [parse_policy(name, device_type, in_list=True) for name in names]
     if not specs:
         raise UsageError(f"no policy given in {text!r}; valid: {valid_policies()}")
     return specs

@@ -67,7 +67,7 @@ def resolve_policy_name(name: Optional[str], device: str) -> str:
         >>> resolve_policy_name("O2", "cpu"), resolve_policy_name(None, "cpu")
         ('O2-bf16', 'bf16-mixed')
     """
-    from ..bench.policies import parse_policy, valid_policies
+    from ..bench.policies import parse_policy
     from ..diagnose.inspection import default_policy
     from ..policy import OPT_LEVELS
 
@@ -77,10 +77,7 @@ def resolve_policy_name(name: Optional[str], device: str) -> str:
     if name.strip() == "auto":  # bench's "every native policy": a list, not one policy
         raise UsageError("--policy auto: doctor diagnoses one policy at a time; valid: a policy "
                          "name such as bf16-mixed, 16-mixed, O2, fp8 (see ampkit doctor --help)")
-    try:
-        spec = parse_policy(name, device_type)
-    except UsageError as err:  # bench's list of valid names offers auto: not one policy
-        raise UsageError(str(err).replace(valid_policies(), _valid_policies())) from None
+    spec = parse_policy(name, device_type)  # one policy: its error does not offer auto
     if spec.fp8_recipe is not None:
         return f"fp8-{spec.fp8_recipe}"
     level = spec.label.partition("-")[0]
@@ -88,15 +85,6 @@ def resolve_policy_name(name: Optional[str], device: str) -> str:
     if level in OPT_LEVELS and half is not None:
         return f"{level}-{_HALF_SUFFIX[half]}"
     return spec.label
-
-
-def _valid_policies() -> str:
-    """The policy names ``--policy`` accepts (bench's, less ``auto``), for error messages."""
-    from ..fp8.config import FP8_POLICY_NAMES
-    from ..policy import preset_names
-
-    return (f"{', '.join(preset_names())}; O-levels take a half-dtype suffix (O2-bf16, "
-            f"O1-fp16); {', '.join(FP8_POLICY_NAMES)}; or 'p=f32,c=bf16,o=f32'")
 
 
 def run(args: argparse.Namespace) -> int:
