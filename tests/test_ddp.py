@@ -54,7 +54,9 @@ class Case:
     loop: str  # "apex": initialize + scale_loss; "torch": autocast + GradScaler
     level: str = ""  # the opt level of the apex loop
     half: Optional[torch.dtype] = None
-    inject: Optional[str] = None  # "loss" (before the all-reduce) or "grad" (after it)
+    # "loss" (before the all-reduce), "grad" (after it), "first" (the loss of the micro-batch
+    # inside no_sync(): rank 1's grads alone hold the inf until the next backward)
+    inject: Optional[str] = None
     group: bool = False  # GradScaler(process_group=WORLD)
     fp8: Optional[str] = None  # a Float8Linear recipe (emulated on the CPU)
     dynamic: bool = False  # the apex loop's loss_scale="dynamic" (O3 has none by default)
@@ -88,7 +90,27 @@ CASES = {
     "O1-bf16-no_sync-delay": Case("apex", "O1", BF16, "loss", no_sync="delay"),
     "O2-fp16-no_sync-delay": Case("apex", "O2", F16, "loss", no_sync="delay"),
     "O2-bf16-no_sync-delay": Case("apex", "O2", BF16, no_sync="delay"),
+    # An O2 exit that unscaled moved the half grads into the masters, which DDP does not
+    # reduce: the replicas parted (transformers' loop).
+    "O1-fp16-no_sync-clean": Case("apex", "O1", F16, no_sync="each"),
+    "O1-fp16-no_sync-delay": Case("apex", "O1", F16, no_sync="delay"),
+    "O2-fp16-no_sync": Case("apex", "O2", F16, no_sync="each"),
+    "O2-bf16-no_sync": Case("apex", "O2", BF16, no_sync="each"),
+    "O2-fp16-no_sync-delay-clean": Case("apex", "O2", F16, no_sync="delay"),
+    # O3's unscaled fp16 grads were set aside: DDP reduced the last micro-batch alone.
+    "O3-fp16-no_sync": Case("apex", "O3", F16, dynamic=True, no_sync="each"),
+    "O3-fp16-no_sync-delay": Case("apex", "O3", F16, dynamic=True, no_sync="delay"),
+    # Rank 1 alone overflows in the micro-batch inside no_sync(): each exit updating the
+    # scale backed rank 1's off twice and rank 0's once, and the ranks parted.
+    "O1-fp16-no_sync-first": Case("apex", "O1", F16, "first", no_sync="each"),
+    "O2-fp16-no_sync-first": Case("apex", "O2", F16, "first", no_sync="each"),
+    "O2-fp16-no_sync-delay-first": Case("apex", "O2", F16, "first", no_sync="delay"),
 }
+# Each "each" accumulation against its "delay" twin: a power-of-two scale makes them agree.
+TWINS = [("O1-fp16-no_sync-clean", "O1-fp16-no_sync-delay"),
+         ("O2-fp16-no_sync", "O2-fp16-no_sync-delay-clean"),
+         ("O2-bf16-no_sync", "O2-bf16-no_sync-delay"),
+         ("O3-fp16-no_sync", "O3-fp16-no_sync-delay")]
 UNSYNCED = Case("torch", half=F16, inject="grad")  # the control: no process_group
 SKIPPING = [name for name, case in CASES.items() if case.inject]
 
@@ -114,8 +136,9 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return sha.hexdigest()
 
 
-def _injected(loss: torch.Tensor, rank: int, step: int, case: Case) -> torch.Tensor:
-    if case.inject == "loss" and rank == 1 and step == SKIP:
+def _injected(loss: torch.Tensor, rank: int, step: int, case: Case,
+              where: str = "loss") -> torch.Tensor:
+    if case.inject == where and rank == 1 and step == SKIP:
         return loss * float("inf")
     return loss
 
@@ -153,11 +176,13 @@ def _apex(rank: int, case: Case) -> dict:
                                     loss_scale="dynamic" if case.dynamic else None, verbosity=0)
     ddp = _ddp(model, case)
     record = _Record(model, lambda: [*model.parameters(), *amp.master_params(opt)])
+    start = _flat(amp.master_params(opt))
     for step in range(STEPS):
         opt.zero_grad()
         if case.no_sync:
             with ddp.no_sync():  # accumulates locally; the next backward all-reduces the sum
                 first = ddp(_batch(rank + 10, step)).float().pow(2).mean()
+                first = _injected(first, rank, step, case, "first")
                 with amp.scale_loss(first, opt, delay_unscale=case.no_sync == "delay") as scaled:
                     scaled.backward()
         loss = ddp(_batch(rank, step)).float().pow(2).mean()
@@ -166,7 +191,11 @@ def _apex(rank: int, case: Case) -> dict:
         opt.step()  # does nothing after an overflow
         record.add(loss, amp.state_dict()["loss_scaler0"]["loss_scale"])
     del ddp  # its reducer goes before the process group
-    return record.result
+    return record.result | {"start": start, "params": _flat(amp.master_params(opt))}
+
+
+def _flat(params) -> list[float]:
+    return torch.cat([p.detach().float().reshape(-1) for p in params]).tolist()
 
 
 def _torch(rank: int, case: Case) -> dict:
@@ -289,6 +318,24 @@ def test_an_overflow_on_rank_1_alone_skips_the_step_on_every_rank(ranks, name):
 @pytest.mark.parametrize("name", [n for n in CASES if not CASES[n].inject])
 def test_cases_without_an_injected_overflow_take_every_step(ranks, name):
     assert _skipped(ranks[0][name]) == [False] * STEPS
+
+
+@pytest.mark.parametrize("each, delay", TWINS)
+def test_no_sync_accumulation_unscaled_at_each_exit_equals_the_delayed_one(ranks, each, delay):
+    for rank in ranks:
+        assert rank[each]["digests"] == rank[delay]["digests"]
+        assert rank[each]["scales"] == rank[delay]["scales"]
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items()
+                                  if case.no_sync and not case.inject and n != "O0-no_sync"])
+def test_no_sync_accumulation_trains_on_both_micro_batches_of_both_ranks(ranks, name):
+    """Close to fp32's accumulation, far from what the last micro-batch alone gives."""
+    reference = torch.tensor(ranks[0]["O0-no_sync"]["params"])
+    params = torch.tensor(ranks[0][name]["params"])
+    start = torch.tensor(ranks[0]["O0-no_sync"]["start"])
+    moved = (reference - start).norm()
+    assert (params - reference).norm() < 0.05 * moved, name
 
 
 def test_without_a_process_group_an_overflow_after_the_all_reduce_parts_the_ranks(ranks):

@@ -17,6 +17,7 @@ from ampkit import _state
 from ampkit.autocast import autocast
 from ampkit.convert import cast_model
 from ampkit.frontend import initialize, load_state_dict, master_params, scale_loss, state_dict
+from ampkit.frontend.state import _amp_state
 from ampkit.optim import master_weights_of
 from ampkit.overrides import register_float_function
 from ampkit.scaler import GradScaler
@@ -820,7 +821,6 @@ def test_o3_recasts_the_state_an_optimizer_already_has(dtype):
 def test_a_written_loss_scale_is_used_as_written_outside_the_bounds():
     """Writes were clamped into [min, max] (and the fp16 floor of 1): apex's _loss_scale
     is a plain attribute, the value written is the one scale_loss uses."""
-    from ampkit.frontend.state import _amp_state
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     initialize(model, optimizer, opt_level="O2", half_dtype=torch.float16)
@@ -865,20 +865,76 @@ def test_grads_held_in_place_accumulate_like_grads_set_aside(several_processes, 
     assert all(torch.equal(a, p.grad) for a, p in zip(in_place, master_params(optimizer)))
 
 
-def test_an_o2_delayed_exit_leaves_half_grads_on_the_model_for_ddp(several_processes):
+def test_o2_exits_leave_the_half_grads_on_the_model_for_ddp(several_processes):
+    """DDP's no_sync() accumulation is in the half grads; each exit copies it, unscaled,
+    into the masters (replacing the last copy), and the step does not move it again."""
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16)
     optimizer.zero_grad()
     with scale_loss(_loss(model, 0), optimizer, delay_unscale=True) as scaled:
         scaled.backward()
     assert model[0].weight.grad is not None and model[0].weight.grad.dtype == torch.bfloat16
     assert all(m.grad is None for m in master_params(optimizer) if m.dim() == 2)
-    with scale_loss(_loss(model, 1), optimizer) as scaled:
+    for micro in (1, 2):
+        with scale_loss(_loss(model, micro), optimizer) as scaled:
+            scaled.backward()
+        half = model[0].weight.grad  # the whole accumulation, still scaled
+        assert half is not None and half.dtype == torch.bfloat16
+        master = master_params(optimizer)
+        weight = next(m for m in master if m.shape == model[0].weight.shape)
+        assert weight.grad.dtype == torch.float32
+        assert torch.equal(weight.grad, half.float() / 2.0**16)
+    before = [m.detach().clone() for m in master_params(optimizer)]
+    grads = [m.grad.clone() for m in master_params(optimizer)]
+    optimizer.step()
+    assert all(torch.equal(m, b - g) for m, b, g in zip(master_params(optimizer), before, grads))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_several_processes_update_the_scale_once_per_window_when_the_step_begins(
+        several_processes, level):
+    """A window's exits: no update until the step; then its clean exits, then one update
+    with its flag. Rank 1 overflowing in the micro-batch inside no_sync() and rank 0 at the
+    synchronizing one (where the inf arrives) back off alike, once."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.float16,
+               min_loss_scale=None)
+    scaler = _amp_state.loss_scalers[0]
+    for overflow_at in ([], [0], [1], [0, 1]):  # micro-batches that find an inf
+        optimizer.zero_grad()
+        scale, clean = scaler.loss_scale(), scaler._unskipped
+        for micro in range(3):
+            loss = _loss(model, micro)
+            if micro in overflow_at:
+                loss = loss * float("inf")
+            with scale_loss(loss, optimizer) as scaled:
+                assert torch.equal(scaled, loss.float() * scale)  # one scale per window
+                scaled.backward()
+            assert (scaler.loss_scale(), scaler._unskipped) == (scale, clean)
+        weights = [p.detach().clone() for p in master_params(optimizer)]
+        optimizer.step()
+        if overflow_at:
+            assert (scaler.loss_scale(), scaler._unskipped) == (scale / 2, 0)
+            assert all(torch.equal(p, w) for p, w in zip(master_params(optimizer), weights))
+        else:
+            assert (scaler.loss_scale(), scaler._unskipped) == (scale, clean + 3)
+            assert not all(torch.equal(p, w) for p, w in zip(master_params(optimizer), weights))
+
+
+def test_several_processes_without_a_step_the_next_window_applies_the_last(several_processes):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1", half_dtype=torch.float16)
+    scaler = _amp_state.loss_scalers[0]
+    with scale_loss(_loss(model, 0) * float("inf"), optimizer) as scaled:
         scaled.backward()
-    assert model[0].weight.grad is None  # moved, unscaled, into the fp32 masters
-    grads = [m.grad for m in master_params(optimizer)]
-    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    assert scaler.loss_scale() == 2.0**16
+    optimizer.zero_grad()  # no step: the next scale_loss, holding no grads, begins a window
+    with scale_loss(_loss(model, 1), optimizer) as scaled:
+        assert scaler.loss_scale() == 2.0**15
+        scaled.backward()
 
 
 def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(

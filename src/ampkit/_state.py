@@ -35,6 +35,8 @@ class ActiveAmp:
         log_level: the logging level of its messages (from ``verbosity``).
         scaling: False while the loss scale is a fixed 1.0 (scale_loss has nothing to do).
         overflow_notes: fused overflows on their way to the host, for the log.
+        scale_windows: in a run of several processes, per loss id, the loss-scale updates
+            that wait for the end of their accumulation window (see ``scale_loss``).
     """
 
     device_type: str
@@ -45,6 +47,7 @@ class ActiveAmp:
     log_level: int = logging.INFO
     scaling: bool = False
     overflow_notes: list[Any] = field(default_factory=list)
+    scale_windows: dict[int, Any] = field(default_factory=dict)
 
     @property
     def dynamic(self) -> bool:

@@ -86,12 +86,16 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.master_params: list[Tensor] = []
         self._master_of: dict[int, Tensor] = {}
+        self._master_ids: set[int] = set()
         self.released = False
         # (model params, masters) per (device, dtype), built once for the foreach copies.
         self._copy_groups: Optional[list[tuple[list[Tensor], list[Tensor]]]] = None
         # The move's buckets when every model param has a dense gradient (the usual step),
         # built once: a step's move then costs O(buckets) host work, not O(params).
         self._full_plan: Optional[_Plan] = None
+        # The model's half gradients, as they are now, are copied into the masters already
+        # (``move_grads(keep=True)``): the step must not move them again.
+        self.mirrored = False
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -111,6 +115,7 @@ class MasterWeights:
         self.model_params.append(param)
         self.master_params.append(master)
         self._master_of[id(param)] = master
+        self._master_ids.add(id(master))
         _register(param, master, self)
         self._copy_groups = self._full_plan = None
         return master
@@ -119,15 +124,28 @@ class MasterWeights:
         """Whether ``param`` is one of this optimizer's half model parameters."""
         return id(param) in self._master_of
 
+    def is_master(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is one of the fp32 masters."""
+        return id(tensor) in self._master_ids
+
     # --- gradients model -> master --------------------------------------------------------
-    def move_grads(self, unscale: Optional[Callable[[list[Tensor]], None]] = None) -> None:
+    def move_grads(self, unscale: Optional[Callable[[list[Tensor]], None]] = None, *,
+                   keep: bool = False) -> None:
         """Move the model's half gradients into the masters (fp32) and free them.
 
         ``unscale`` receives the new fp32 gradients (still scaled) before they join the
         masters' own, which are unscaled already; without it they join as they are.
         Once released, the model's gradients are not its to take (``unscale`` still runs,
         on none).
+
+        ``keep=True`` copies instead: the half gradients stay on the model, where they keep
+        accumulating, and each master's gradient becomes its fp32 copy (replaced, not added
+        to; None where the model param has none). A later move without ``keep`` (the step's) then finds nothing to move
+        until the half gradients change (:meth:`note_model_grads_changed`).
         """
+        if self.mirrored and unscale is None and not keep:
+            return  # the step after a keeping move: these half grads are in the masters
+        self.mirrored = keep and not self.released
         pending = [] if self.released else [
             (param, master) for param, master in zip(self.model_params, self.master_params)
             if param.grad is not None]
@@ -139,10 +157,16 @@ class MasterWeights:
             if self._full_plan is None:
                 self._full_plan = _plan(params)
             plan = self._full_plan
-        new = _to_fp32(params, plan)
+        new = _to_fp32(params, plan, free=not keep)
         if unscale is not None:
             unscale(new)
         pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
+        if keep:  # every master mirrors its model param: a param without a grad, none
+            for master in self.master_params:
+                master.grad = None
+            for master, grad in pairs:
+                master.grad = grad
+            return
         adding = [(master, grad) for master, grad in pairs if master.grad is not None]
         for master, grad in pairs:
             if master.grad is None:
@@ -181,7 +205,12 @@ class MasterWeights:
         for master in self.master_params:
             master.grad = None
 
+    def note_model_grads_changed(self) -> None:
+        """The half gradients changed after a keeping move (a backward added to them)."""
+        self.mirrored = False
+
     def zero_model_grads(self, set_to_none: bool = True) -> None:
+        self.mirrored = False
         for param in self.model_params:
             if param.grad is not None:
                 if set_to_none:
@@ -234,8 +263,10 @@ def _plan(params: list[Tensor]) -> _Plan:
     return sparse, devices
 
 
-def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]:
-    """fp32 copies of the params' half gradients, which are freed (set to None).
+def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None, *,
+             free: bool = True) -> list[Tensor]:
+    """fp32 copies of the params' half gradients, which are freed (set to None) unless
+    ``free`` is False.
 
     Dense ones: one buffer, one call for its views and one foreach copy per bucket of a
     device (O(buckets) copies, no kernel per gradient), or one cast per gradient in a
@@ -245,7 +276,9 @@ def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]
     sparse, devices = plan if plan is not None else _plan(params)
     out: list[Optional[Tensor]] = [None] * len(params)
     for i in sparse:
-        out[i], params[i].grad = params[i].grad.float(), None
+        out[i] = params[i].grad.float()
+        if free:
+            params[i].grad = None
     for device, buckets in devices:
         for bucket, numel in buckets:
             grads = [params[i].grad for i in bucket]
@@ -257,8 +290,9 @@ def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None) -> list[Tensor]
                 foreach_copy_(views, grads)
             for i, view in zip(bucket, views):
                 out[i] = view
-            for param in [params[i] for i in bucket]:
-                param.grad = None
+            if free:
+                for param in [params[i] for i in bucket]:
+                    param.grad = None
     return out  # type: ignore[return-value]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,6 +52,9 @@ class AmpStash:
     pending_found_inf: Optional[Tensor] = None
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
+    # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
+    # loss-scale updates that wait for this optimizer's step.
+    before_step: list[Callable[[], None]] = field(default_factory=list)
 
 
 def stash_of(optimizer: Any) -> Optional[AmpStash]:
@@ -134,6 +137,10 @@ def _recast_state(optimizer: torch.optim.Optimizer) -> None:
 # --- the wrapper --------------------------------------------------------------------------
 def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash: AmpStash = getattr(self, ATTR)
+    if stash.before_step:
+        callbacks, stash.before_step = stash.before_step, []
+        for callback in callbacks:
+            callback()
     if stash.skip_next:
         # The overflowing step: params, masters and optimizer state stay as they are;
         # the inf/NaN grads are dropped so they do not leak into the next iteration.

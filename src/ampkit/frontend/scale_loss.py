@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import numbers
 from dataclasses import dataclass
 from typing import Any, ContextManager, Optional
@@ -13,12 +12,11 @@ from torch import Tensor, nn
 
 from .. import _state
 from .._checks import as_list, check_bool
-from .._torch_compat import STEP_SUPPORTS_AMP_SCALING, Event, foreach_add_, foreach_mul_
+from .._torch_compat import foreach_add_, foreach_mul_
 from ..apply import OptimizerArg
 from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
-from ..scaler import GradScaler, check_floor, unscale_grads_
-
-logger = logging.getLogger("ampkit")
+from ..scaler import GradScaler, unscale_grads_
+from .overflow import or_flag, report_overflows, update
 
 def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
                model: Optional[nn.Module] = None, delay_unscale: bool = False,
@@ -33,6 +31,11 @@ def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
     step accumulate: each unscales its own backward's grads. Gradients that reach another
     model's parameters in this backward stay there, untouched, until that model's
     ``zero_grad()`` (a GAN's generator loss through the discriminator), as in fp32.
+
+    In a run of several processes (DDP's ``no_sync()`` accumulation) the grads stay on the
+    parameters, where DDP reduces them (under O2 the masters get an unscaled copy), and
+    the loss scaler's update waits for the step of these optimizers (see
+    :class:`.overflow.Window`).
 
     If the body raises, every gradient these optimizers' parameters received in it is
     dropped (the ones they held before are put back), so no scaled gradient is ever
@@ -83,7 +86,7 @@ class _ScaleLoss:
             return loss
         self.opts, self.stashes = _check_scale_loss(loss, self.optimizers, loss_id, amp)
         if amp.overflow_notes:
-            _report_overflows(amp)
+            report_overflows(amp)
         if self.delay_unscale.__class__ is not bool:  # the checks' calls only for a non-bool
             self.delay_unscale = check_bool("delay_unscale", self.delay_unscale)
         if self.delay_overflow_check.__class__ is not bool:
@@ -92,9 +95,13 @@ class _ScaleLoss:
         if loss.dtype is not torch.float32:
             loss = loss.float()
         scaler = amp.scalers[loss_id] if amp.scaling else None
-        scaled = scaler.scale(loss) if scaler is not None else loss
         held = self.held = [_set_aside(opt, stash, scaler)
                             for opt, stash in zip(self.opts, self.stashes)]
+        if amp.scale_windows:
+            window = amp.scale_windows.get(loss_id)
+            if window is not None and not [entry for entry in held if not entry.empty]:
+                window.close()  # nothing accumulates: the last window ended without a step
+        scaled = scaler.scale(loss) if scaler is not None else loss
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
                 started = _Started()  # whether a raising body's backward began (restore)
@@ -126,7 +133,7 @@ class _ScaleLoss:
             _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale)
         if delay_unscale:
             for stash in stashes:  # checked with the call that does not delay
-                stash.pending_found_inf = _or_flag(stash.pending_found_inf, found_inf)
+                stash.pending_found_inf = or_flag(stash.pending_found_inf, found_inf)
             return False
         for stash in stashes:
             if stash.pending_found_inf is not None:
@@ -135,7 +142,8 @@ class _ScaleLoss:
                               out=found_inf)
                 stash.pending_found_inf = None
         if amp.dynamic and not self.delay_overflow_check:
-            _update(amp, scaler, found_inf, self.opts, stashes, self.loss_id)
+            update(amp, scaler, found_inf, self.opts, stashes, self.loss_id,
+                   several=_several_processes())
         return False
 
 
@@ -150,8 +158,9 @@ class _Held:
     reducer all-reduces ``.grad`` itself at the synchronizing backward, so an accumulation
     must be there whole. Grads still scaled then take the backward as they are, and grads
     an earlier exit unscaled are first scaled up in place by this loss's scale
-    (``rescaled``; exact for a power-of-two scale), so the exit unscales them all together;
-    only unscaled fp16 grads, which scaling up could overflow, are still set aside.
+    (``rescaled``; exact for a power-of-two scale), so the exit unscales them all together.
+    The scale stays the same through an accumulation there (:class:`.overflow.Window`), so
+    scaling fp16 grads up gives back values the last backward held: it cannot overflow.
     Nothing is held after a zero_grad: the usual case costs nothing.
 
     ``own``: the params the optimizer steps itself; ``half``: the half model params behind
@@ -168,6 +177,11 @@ class _Held:
     inv_scale: Optional[Tensor] = None
     in_place: bool = False
     started: Optional["_Started"] = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether the params held no grads when the body began."""
+        return not (self.own_grads or self.half_grads or self.in_place)
 
     def restore(self) -> None:
         """The body raised: undo what it did to these grads.
@@ -221,9 +235,13 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
     """What the optimizer's params hold before the body (see :class:`_Held`); ``scaler``:
     this loss's, None under a fixed scale of 1 (nothing to scale up)."""
     own = own_params(optimizer)
-    half = [] if stash.masters is None else stash.masters.model_params
+    masters = stash.masters
+    half = [] if masters is None else masters.model_params
     own_held = [p for p in own if p.grad is not None]
     half_held = [p for p in half if p.grad is not None]
+    if own_held and masters is not None and _several_processes():
+        # The masters' grads are copies of the half grads (see _take_grads): not held.
+        own_held = [p for p in own_held if not masters.is_master(p)]
     if not (own_held or half_held):
         return _Held(own, half, [], [], stash.grads_unscaled, [])
     unscaled = stash.grads_unscaled and scaler is not None
@@ -231,12 +249,6 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         held = _Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
                      stash.grads_unscaled, [])
         for param in own_held + half_held:
-            param.grad = None
-        return held
-    if unscaled and any([p.grad.dtype == torch.float16 for p in own_held]):
-        held = _Held(own, half, [(p, p.grad) for p in own_held], [], True, [],
-                     in_place=bool(half_held))
-        for param in own_held:
             param.grad = None
         return held
     rescaled: list[Tensor] = []
@@ -255,24 +267,31 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
 
     The half grads move on every exit, so micro-batches accumulate in fp32 in the
     masters; a delayed exit unscales them too (exact: a power-of-two multiply) and its inf
-    check is carried to the exit that does not delay. In a run of several processes a
-    delayed exit leaves them on the model instead: DDP's ``no_sync()`` accumulation must
-    be in ``.grad`` when its synchronizing backward all-reduces it. The optimizer's own
-    grads stay scaled until the exit that does not delay, as in apex.
+    check is carried to the exit that does not delay. In a run of several processes they
+    stay on the model instead, still scaled: DDP's ``no_sync()`` accumulation must be in
+    ``.grad`` when its synchronizing backward all-reduces it. There an exit that does not
+    delay makes each master's grad the unscaled fp32 copy of the whole accumulation so far
+    (replacing the copy an earlier exit made), and a delayed one leaves them. The
+    optimizer's own grads stay scaled until the exit that does not delay, as in apex.
     """
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
     # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
     if holding:
         held.add_back(own=delay or not held.own_unscaled, half=True)
-    own = [] if delay else [p.grad for p in held.own if p.grad is not None]
     masters = stash.masters
+    keep = masters is not None and _several_processes()
+    own = [] if delay else [p.grad for p in held.own
+                            if p.grad is not None and not (keep and masters.is_master(p))]
     if inv_scale is None or found_inf is None:  # a fixed scale of 1: nothing to unscale
         if masters is not None:
-            masters.move_grads(None)
+            masters.move_grads(None, keep=keep)
     elif masters is not None:
-        if not (delay and _several_processes()):
-            masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf))
+        if delay and keep:
+            masters.note_model_grads_changed()
+        else:
+            masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf),
+                               keep=keep)
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
     if holding:
@@ -288,90 +307,12 @@ def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
-    """Several overflow flags as one (any overflow counts)."""
-    if flag.dim():
-        flag = flag.reshape(())
-    return flag if held is None else torch.maximum(held, flag.to(held.device))
-
-
 def _unscale_grads(own: list[Tensor], inv_scale: Tensor, found_inf: Tensor,
                    new_master_grads: list[Tensor]) -> None:
     """Unscale the optimizer's own grads and the masters' new ones in one call."""
     grads = own + new_master_grads
     if grads:
         unscale_grads_(grads, inv_scale, found_inf)
-
-
-def _update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
-            optimizers: list[torch.optim.Optimizer], stashes: list[AmpStash], loss_id: int) -> None:
-    scaler.update_from(found_inf, handed_over=True)  # a fresh flag per call
-    fused = True
-    for optimizer in optimizers:
-        fused = fused and getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False)
-    if fused:
-        # Fused optimizers skip on the device: no host sync here, whatever the log level.
-        # A listening logger gets the overflow later, from a copy already on the host.
-        for stash in stashes:
-            stash.found_inf = _or_flag(stash.found_inf, found_inf)
-        if logger.isEnabledFor(amp.log_level):
-            amp.overflow_notes.append(_OverflowNote.start(found_inf, _names(optimizers), loss_id))
-        return
-    # The one host sync of scale_loss with plain optimizers (apex had it too): Python
-    # must know now whether the next optimizer.step() runs. A listening logger's copy of
-    # the new scale is queued before it, so that sync brings it to the host as well.
-    listening = logger.isEnabledFor(amp.log_level)
-    scale = scaler.scale_tensor()
-    new_scale = scale.to("cpu", non_blocking=True, copy=True) if listening and scale is not None else None
-    overflow = bool(found_inf.item())
-    check_floor(scaler, overflow)
-    if not overflow:
-        return
-    for stash in stashes:
-        stash.skip_next = True
-    if new_scale is not None:
-        new_scale._ampkit_host_copy = True  # type: ignore[attr-defined]
-        logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
-                   "scaler %d now at %g", _names(optimizers), loss_id, new_scale.item())
-
-
-def _names(optimizers: list[torch.optim.Optimizer]) -> str:
-    return ", ".join(type(opt).__name__ for opt in optimizers)
-
-
-@dataclass(eq=False)
-class _OverflowNote:
-    """A fused step's overflow flag on its way to the host, logged once it has arrived."""
-
-    flag: Tensor
-    event: Any
-    names: str
-    loss_id: int
-
-    @classmethod
-    def start(cls, found_inf: Tensor, names: str, loss_id: int) -> "_OverflowNote":
-        flag = found_inf.detach().to("cpu", non_blocking=True, copy=True)
-        flag._ampkit_host_copy = True  # type: ignore[attr-defined]  # read without a sync
-        event = None
-        if found_inf.device.type != "cpu":
-            event = Event(device=found_inf.device)
-            event.record()
-        return cls(flag, event, names, loss_id)
-
-    def arrived(self) -> bool:
-        return self.event is None or self.event.query()
-
-
-def _report_overflows(amp: _state.ActiveAmp) -> None:
-    """Log the fused overflows whose flags have reached the host (no waiting on the device)."""
-    waiting = []
-    for note in amp.overflow_notes:
-        if not note.arrived():
-            waiting.append(note)
-        elif note.flag.item():  # a host tensor: no device sync
-            logger.log(amp.log_level, "Gradient overflow: the step of %s was skipped on the "
-                       "device; loss scaler %d backed off", note.names, note.loss_id)
-    amp.overflow_notes = waiting
 
 
 def require_initialized() -> _state.ActiveAmp:
