@@ -256,6 +256,33 @@ def test_compile_fullgraph_forward_backward(recipe):
                            eager[0].amax_history_grad_output)
 
 
+@pytest.mark.parametrize("config", [
+    Float8Config("delayed", emulate=True, amax_compute_algo="most_recent"),
+    Float8Config("delayed", emulate=True, amax_history_len=4)], ids=["most_recent", "len4"])
+def test_compile_backward_uses_the_history_read_the_forward_cast_with(config):
+    """AOTAutograd recomputed these cheap history reads in the backward, after the forward
+    had pushed the new amax: the saved fp8 input and weight were dequantised by other
+    scales than they were cast with, and the weight and input gradients were wrong from
+    the second step (pytorch/pytorch#197039)."""
+    torch._dynamo.reset()
+
+    def layer() -> nn.Sequential:
+        torch.manual_seed(0)
+        return convert_to_fp8(nn.Sequential(nn.Linear(32, 16)), recipe=config)
+
+    eager, compiled_model = layer(), layer()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):  # growing inputs: each step's amax tops the history
+        x = torch.randn(16, 32, generator=gen, requires_grad=True)
+        x_c = x.detach().clone().requires_grad_()
+        grad = torch.randn(16, 16, generator=gen) * (step + 1)
+        eager(x * (step + 1)).backward(grad)
+        compiled(x_c * (step + 1)).backward(grad)
+        assert torch.equal(x_c.grad, x.grad), step
+        assert torch.equal(compiled_model[0].weight.grad, eager[0].weight.grad), step
+
+
 @pytest.mark.slow
 def test_compile_inductor_generates_code_for_fp8_layer():
     """Inductor codegen on CPU: one layer, about 10 s on 2 cores."""

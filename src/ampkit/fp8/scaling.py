@@ -11,11 +11,12 @@ contraction dimension: ``(M, 1)`` for a left operand, ``(1, N)`` for a right one
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from .._torch_compat import is_compiling
 from .config import AmaxComputeAlgo
 
 E4M3 = torch.float8_e4m3fn
@@ -145,6 +146,43 @@ def history_amax(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
     return history.amax()
 
 
+def _define_history_amax() -> Any:
+    """``ampkit::history_amax``: :func:`history_amax` as a custom op (defined at import,
+    never inside a trace).
+
+    Under torch.compile the forward pushes each amax into its history in place, and
+    AOTAutograd's partitioner may recompute a cheap read of that history in the backward
+    instead of saving its result: the backward then reads the history after the push, and
+    the scale it dequantises a saved fp8 tensor by is not the one that tensor was cast
+    with (silently wrong gradients: pytorch/pytorch#197039). The partitioner never
+    recomputes a custom op, so the read is saved. torch 2.13 recomputed ``history[0]``
+    (``most_recent``) and the max of a history of at most 4 entries.
+    """
+    if hasattr(torch.ops.ampkit, "history_amax"):  # defined by an earlier import
+        return torch.ops.ampkit.history_amax.default
+
+    @torch.library.custom_op("ampkit::history_amax", mutates_args=())
+    def op(history: Tensor, most_recent: bool) -> Tensor:
+        return history[0].clone() if most_recent else history.amax()
+
+    @op.register_fake
+    def _(history: Tensor, most_recent: bool) -> Tensor:
+        return history.new_empty(())
+
+    return op
+
+
+_HISTORY_AMAX = _define_history_amax()
+
+
+def read_history(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
+    """:func:`history_amax` of a history the same step then updates in place: under
+    torch.compile through a custom op, so the backward uses this read, not a recomputed one."""
+    if is_compiling():
+        return _HISTORY_AMAX(history, algo is AmaxComputeAlgo.MOST_RECENT)
+    return history_amax(history, algo)
+
+
 def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
                      algo: AmaxComputeAlgo, margin: int = 0, warmup: bool = False,
                      record: bool = True) -> Fp8:
@@ -169,7 +207,7 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
     if not (warmup or record):
         return quantize(x, dtype, scale=amax_to_scale(history_amax(history, algo), dtype, margin))
     amax = compute_amax(x)
-    source = amax if warmup else history_amax(history, algo)
+    source = amax if warmup else read_history(history, algo)
     q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
     if record:
         update_history(history, amax)
