@@ -937,6 +937,21 @@ def test_several_processes_without_a_step_the_next_window_applies_the_last(sever
         scaled.backward()
 
 
+def test_several_processes_an_optimizer_never_stepped_keeps_no_closed_windows(
+        several_processes):
+    model, other = _model(), _model(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    frozen = torch.optim.SGD(other.parameters(), lr=0.1)
+    [model, other], [optimizer, frozen] = initialize([model, other], [optimizer, frozen],
+                                                     opt_level="O1")
+    for step in range(5):
+        optimizer.zero_grad()
+        with scale_loss(_loss(model, step) + _loss(other, step), [optimizer, frozen]) as scaled:
+            scaled.backward()
+        optimizer.step()  # closes the window; frozen never steps
+    assert len(frozen._amp_stash.before_step) == 1
+
+
 def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(
         several_processes):
     model = _model()

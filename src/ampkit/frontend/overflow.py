@@ -111,7 +111,10 @@ class Window:
             else self.overflow or overflow
         for stash in stashes:
             if self.close not in stash.before_step:
-                stash.before_step.append(self.close)
+                # (windows another optimizer's step closed go: one never stepped keeps none)
+                kept = [close for close in stash.before_step
+                        if not close.__self__.closed]  # type: ignore[attr-defined]
+                stash.before_step = kept + [self.close]
 
     def close(self) -> None:
         """Apply the window's updates (once; a later call does nothing)."""
