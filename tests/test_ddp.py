@@ -64,6 +64,8 @@ class Case:
     # Two micro-batches a step, the first inside DDP's no_sync(): "delay" passes it
     # delay_unscale=True (apex's recipe), "each" unscales both (transformers' loop).
     no_sync: Optional[str] = None
+    # Step SKIP begins one clean step short of the scale's growth (apex's _unskipped written).
+    at_growth: bool = False
 
 
 CASES = {
@@ -105,6 +107,10 @@ CASES = {
     "O1-fp16-no_sync-first": Case("apex", "O1", F16, "first", no_sync="each"),
     "O2-fp16-no_sync-first": Case("apex", "O2", F16, "first", no_sync="each"),
     "O2-fp16-no_sync-delay-first": Case("apex", "O2", F16, "first", no_sync="delay"),
+    # ... and at the growth boundary: rank 0's clean micro-batch grew the window's scale
+    # before the overflow halved it, so the overflowing step did not back off.
+    "O1-fp16-no_sync-first-at-growth": Case("apex", "O1", F16, "first", no_sync="each",
+                                            at_growth=True),
 }
 # Each "each" accumulation against its "delay" twin: a power-of-two scale makes them agree.
 TWINS = [("O1-fp16-no_sync-clean", "O1-fp16-no_sync-delay"),
@@ -179,6 +185,8 @@ def _apex(rank: int, case: Case) -> dict:
     start = _flat(amp.master_params(opt))
     for step in range(STEPS):
         opt.zero_grad()
+        if case.at_growth and step == SKIP:
+            amp._amp_state.loss_scalers[0]._unskipped = 1999  # apex's growth interval: 2000
         if case.no_sync:
             with ddp.no_sync():  # accumulates locally; the next backward all-reduces the sum
                 first = ddp(_batch(rank + 10, step)).float().pow(2).mean()

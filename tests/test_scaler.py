@@ -730,6 +730,37 @@ def test_update_from_keeps_the_flags_a_caller_reuses():
     assert scaler.stats() == ScalerStats(scale=2.0, steps=5, skipped_steps=2, consecutive_skips=0)
 
 
+@pytest.mark.parametrize("flags, scale, tracker", [
+    ([0, 0], 16.0, 1),     # clean: two updates, growth at the first
+    ([0, 0, 0], 32.0, 0),  # and again at the third
+    ([0, 1], 4.0, 0),      # overflow at the growth boundary: one backoff from the start
+    ([1], 4.0, 0),
+    ([0, 0, 0, 1], 4.0, 0),
+])
+def test_update_window_counts_clean_updates_or_one_overflow_from_its_start(flags, scale,
+                                                                           tracker):
+    """A window's clean updates grew the scale at the growth boundary before the overflow
+    halved it: no net backoff (and with a short interval, growth without end)."""
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    scaler.scale(torch.ones(()))
+    scaler.update_from(torch.zeros(()))  # the tracker at 1: the next clean update grows
+    found = torch.tensor(float(max(flags)))
+    scaler.update_window(found, len(flags))
+    assert scaler.get_scale() == scale
+    assert scaler.state_dict()["_growth_tracker"] == tracker
+    assert scaler.stats().steps == 1 + len(flags)
+
+
+def test_update_window_of_one_is_update_from():
+    a, b = GradScaler("cpu", init_scale=8.0), GradScaler("cpu", init_scale=8.0)
+    for scaler in (a, b):
+        scaler.scale(torch.ones(()))
+    for flag in [0.0, 1.0, 0.0]:
+        a.update_from(torch.tensor(flag))
+        b.update_window(torch.tensor(flag), 1)
+    assert a.state_dict() == b.state_dict() and a.stats() == b.stats()
+
+
 def test_unscale_goes_through_the_unscale_grads_hook_a_subclass_overrides():
     """torch's unscale_ calls _unscale_grads_ (ShardedGradScaler-style subclasses override
     it); ampkit's bypassed it, so an override was silently ignored."""

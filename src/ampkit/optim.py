@@ -55,6 +55,9 @@ class AmpStash:
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
     # loss-scale updates that wait for this optimizer's step.
     before_step: list[Callable[[], None]] = field(default_factory=list)
+    # In a run of several processes: the scale_loss window (frontend.overflow.Window) whose
+    # scale the grads left scaled on the params carry.
+    scaled_in: Any = None
 
 
 def stash_of(optimizer: Any) -> Optional[AmpStash]:

@@ -286,6 +286,33 @@ class GradScaler:
             found_inf = found_inf.clone()
         self._apply_update(found_inf)
 
+    def update_window(self, found_inf: Tensor, iterations: int) -> None:
+        """``iterations`` updates at once: clean ones, then one with ``found_inf`` (the
+        flag of them all); when it is set, the window counts as one overflow from the
+        scale it began with (one backoff, the growth tracker reset), so a growth its clean
+        iterations reached does not survive it. What ``scale_loss`` applies in a run of
+        several processes, where an accumulation's flag is known only at its end. No host
+        sync; ``found_inf`` is handed over (nothing may write to it again). With
+        ``hysteresis`` > 1 the updates simply run in order.
+        """
+        if iterations <= 1 or not self._enabled:
+            self.update_from(found_inf, handed_over=True)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        if found_inf.device != scale.device:
+            found_inf = found_inf.to(scale.device, non_blocking=True)
+        self._sync_found_inf(found_inf)
+        start, start_tracker = scale.clone(), tracker.clone()
+        clean = torch.zeros_like(found_inf)  # never written: kept by the skip counters
+        for _ in range(iterations - 1):
+            self._apply_update(clean, synced=True)
+        self._apply_update(found_inf, synced=True)
+        if self._hysteresis == 1:
+            amp_update_scale_(start, start_tracker, found_inf, self._growth_factor,
+                              self._backoff_factor, self._growth_interval)
+            start.clamp_(*self._scale_bounds())
+            scale.copy_(torch.where(found_inf.reshape(()) > 0, start, scale))
+
     def set_scale(self, scale: float) -> None:
         """Make ``scale`` the current scale as given, in (0, float32 max], also outside
         [min_scale, max_scale]: the bounds apply again from the next update. What apex's

@@ -25,21 +25,28 @@ def or_flag(held: Optional[Tensor], flag: Tensor) -> Tensor:
     return flag if held is None else torch.maximum(held, flag.to(held.device))
 
 
+def window_for(amp: _state.ActiveAmp, loss_id: int, scaler: GradScaler,
+               stashes: list[AmpStash]) -> "Window":
+    """The open window of loss ``loss_id`` (a new one if none is), closed by the next step
+    of any of ``stashes``' optimizers."""
+    window = amp.scale_windows.get(loss_id)
+    if window is None:
+        window = amp.scale_windows[loss_id] = Window(amp, loss_id, scaler)
+    window.join(stashes)
+    return window
+
+
 def update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
            optimizers: list[torch.optim.Optimizer], stashes: list[AmpStash], loss_id: int, *,
-           several: bool) -> None:
+           window: "Optional[Window]") -> None:
     """After an exit that checked for overflow: update loss scaler ``loss_id`` from
-    ``found_inf`` and make the next step of ``optimizers`` skip if it is set. ``several``:
-    this process is one of several (the update waits for the step: :class:`Window`)."""
+    ``found_inf`` and make the next step of ``optimizers`` skip if it is set. ``window``:
+    in a run of several processes, the exit's window (the update waits for the step)."""
     fused = True
     for optimizer in optimizers:
         fused = fused and getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False)
-    window = None
-    if several:
-        window = amp.scale_windows.get(loss_id)
-        if window is None:
-            window = amp.scale_windows[loss_id] = Window(amp, loss_id, scaler)
-        window.add(found_inf, None if fused else bool(found_inf.item()), stashes)
+    if window is not None:
+        window.add(found_inf, None if fused else bool(found_inf.item()))
     else:
         scaler.update_from(found_inf, handed_over=True)  # a fresh flag per call
     if fused:
@@ -83,32 +90,38 @@ class Window:
     Each rank's exits check their own grads, and under DDP's ``no_sync()`` those are not
     all-reduced yet: one rank may overflow in a micro-batch where another does not. Had
     each exit updated the scale, the ranks' scales would part and the next all-reduce would
-    average grads scaled differently. The grads accumulate in place (scale_loss keeps them),
-    so an inf/NaN one rank found reaches every rank at the synchronizing backward, and the
-    window's flag, the maximum over its exits, is the same on every rank. The window counts
-    as its exits' clean updates followed by one update with that flag: with one exit per
-    step, exactly one update with that exit's flag, as in one process. Every micro-batch of
-    a window is scaled by the same scale.
+    average grads scaled differently. The grads accumulate in place (scale_loss keeps
+    them), so an inf/NaN one rank found reaches every rank at the synchronizing backward,
+    and the window's flag, the maximum over its exits, is the same on every rank. The
+    window counts as its exits' clean updates or, when that flag is set, as one overflow
+    from the scale it began with (:meth:`GradScaler.update_window`): with one exit per
+    step, exactly one update with that exit's flag, as in one process. Every micro-batch
+    of a window is scaled by the same scale, ``scale`` (a copy taken when it opened).
     """
 
-    __slots__ = ("amp", "loss_id", "scaler", "exits", "found", "overflow", "last_overflow",
-                 "closed")
+    __slots__ = ("amp", "loss_id", "scaler", "scale", "exits", "found", "overflow",
+                 "last_overflow", "closed")
 
     def __init__(self, amp: _state.ActiveAmp, loss_id: int, scaler: GradScaler) -> None:
         self.amp, self.loss_id, self.scaler = amp, loss_id, scaler
+        current = scaler.scale_tensor()
+        self.scale = None if current is None else current.clone()
         self.exits = 0
         self.found: Optional[Tensor] = None
         self.overflow: Optional[bool] = False  # any overflow; None: a flag not on the host
         self.last_overflow = False
         self.closed = False
 
-    def add(self, found_inf: Tensor, overflow: Optional[bool], stashes: list[AmpStash]) -> None:
+    def add(self, found_inf: Tensor, overflow: Optional[bool]) -> None:
         """One exit's flag (``overflow``: its value on the host, None when not read)."""
         self.exits += 1
         self.found = or_flag(self.found, found_inf)
         self.last_overflow = bool(overflow)
         self.overflow = None if overflow is None or self.overflow is None \
             else self.overflow or overflow
+
+    def join(self, stashes: list[AmpStash]) -> None:
+        """Close this window when the next step of one of these optimizers begins."""
         for stash in stashes:
             if self.close not in stash.before_step:
                 # (windows another optimizer's step closed go: one never stepped keeps none)
@@ -124,12 +137,8 @@ class Window:
         if self.amp.scale_windows.get(self.loss_id) is self:
             del self.amp.scale_windows[self.loss_id]
         if self.found is None:
-            return
-        if self.exits > 1:
-            clean = torch.zeros_like(self.found)  # never written: handed over to each update
-            for _ in range(self.exits - 1):
-                self.scaler.update_from(clean, handed_over=True)
-        self.scaler.update_from(self.found, handed_over=True)
+            return  # delayed exits only: they never update
+        self.scaler.update_window(self.found, self.exits)
         check_floor(self.scaler, self.overflow)
 
 

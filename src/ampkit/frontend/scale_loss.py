@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -16,7 +16,7 @@ from .._torch_compat import foreach_add_, foreach_mul_
 from ..apply import OptimizerArg
 from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
 from ..scaler import GradScaler, unscale_grads_
-from .overflow import or_flag, report_overflows, update
+from .overflow import Window, or_flag, report_overflows, update, window_for
 
 def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
                model: Optional[nn.Module] = None, delay_unscale: bool = False,
@@ -95,13 +95,13 @@ class _ScaleLoss:
         if loss.dtype is not torch.float32:
             loss = loss.float()
         scaler = amp.scalers[loss_id] if amp.scaling else None
-        held = self.held = [_set_aside(opt, stash, scaler)
-                            for opt, stash in zip(self.opts, self.stashes)]
-        if amp.scale_windows:
-            window = amp.scale_windows.get(loss_id)
-            if window is not None and not [entry for entry in held if not entry.empty]:
-                window.close()  # nothing accumulates: the last window ended without a step
         scaled = scaler.scale(loss) if scaler is not None else loss
+        window = amp.scale_windows.get(loss_id) if amp.scale_windows else None
+        held = self.held = [_set_aside(opt, stash, scaler, window)
+                            for opt, stash in zip(self.opts, self.stashes)]
+        if window is not None and not [entry for entry in held if not entry.empty]:
+            window.close()  # nothing accumulates: the last window ended without a step
+            scaled = scaler.scale(loss) if scaler is not None else loss  # its new scale
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
                 started = _Started()  # whether a raising body's backward began (restore)
@@ -131,6 +131,11 @@ class _ScaleLoss:
         delay_unscale = self.delay_unscale
         for stash, entry in zip(stashes, held):
             _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale)
+        window = None
+        if amp.dynamic and _several_processes():
+            window = window_for(amp, self.loss_id, scaler, stashes)
+            for stash in stashes:  # the grads left scaled now carry this window's scale
+                stash.scaled_in = window
         if delay_unscale:
             for stash in stashes:  # checked with the call that does not delay
                 stash.pending_found_inf = or_flag(stash.pending_found_inf, found_inf)
@@ -142,8 +147,7 @@ class _ScaleLoss:
                               out=found_inf)
                 stash.pending_found_inf = None
         if amp.dynamic and not self.delay_overflow_check:
-            update(amp, scaler, found_inf, self.opts, stashes, self.loss_id,
-                   several=_several_processes())
+            update(amp, scaler, found_inf, self.opts, stashes, self.loss_id, window=window)
         return False
 
 
@@ -177,6 +181,8 @@ class _Held:
     inv_scale: Optional[Tensor] = None
     in_place: bool = False
     started: Optional["_Started"] = None
+    retagged: list[Tensor] = field(default_factory=list)
+    retag_undo: Optional[Tensor] = None
 
     @property
     def empty(self) -> bool:
@@ -192,9 +198,11 @@ class _Held:
         grads are all dropped: no scaled or partial gradient is ever stepped.
         """
         if self.in_place and not (self.started is not None and self.started.value):
-            if self.rescaled:
-                with torch.no_grad():
+            with torch.no_grad():
+                if self.rescaled:
                     foreach_mul_(self.rescaled, self.inv_scale)
+                if self.retagged:
+                    foreach_mul_(self.retagged, self.retag_undo)
         else:
             for param in self.own + self.half:
                 param.grad = None
@@ -231,9 +239,10 @@ class _Started:
 
 
 def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
-               scaler: Optional[GradScaler]) -> _Held:
+               scaler: Optional[GradScaler], window: Optional[Window]) -> _Held:
     """What the optimizer's params hold before the body (see :class:`_Held`); ``scaler``:
-    this loss's, None under a fixed scale of 1 (nothing to scale up)."""
+    this loss's, None under a fixed scale of 1 (nothing to scale up); ``window``: its open
+    window in a run of several processes."""
     own = own_params(optimizer)
     masters = stash.masters
     half = [] if masters is None else masters.model_params
@@ -256,8 +265,19 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         rescaled = [p.grad for p in own_held]
         with torch.no_grad():
             foreach_mul_(rescaled, scaler.scale_tensor())
-    return _Held(own, half, [], [], False, rescaled,
+    held = _Held(own, half, [], [], False, rescaled,
                  scaler.inverse_scale() if rescaled else None, in_place=True)
+    tag = stash.scaled_in
+    if scaler is not None and tag is not None and tag is not window and tag.scale is not None:
+        # Grads still scaled by another window's scale (another loss's, or one a step has
+        # since updated): brought to this loss's scale, so the exit unscales them all alike.
+        still = [p.grad for p in half_held] + ([] if unscaled else [p.grad for p in own_held])
+        if still:
+            ratio = scaler.scale_tensor() / tag.scale.to(scaler.scale_tensor().device)
+            with torch.no_grad():
+                foreach_mul_(still, ratio)
+            held.retagged, held.retag_undo = still, ratio.reciprocal()
+    return held
 
 
 def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
