@@ -986,6 +986,24 @@ def test_several_processes_two_losses_at_two_scales_feed_one_optimizer(monkeypat
     assert (b - a).norm() <= 2e-3 * a.norm()
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
+    """The fused step after scale_loss's overflow left torch's uninitialised momentum."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = _loss(model, step) * (float("inf") if step == 0 else 1.0)
+        with scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            assert torch.isfinite(param).all()
+            assert torch.isfinite(optimizer.state[param]["momentum_buffer"]).all()
+
+
 def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(
         several_processes):
     model = _model()

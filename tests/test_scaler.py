@@ -761,6 +761,32 @@ def test_update_window_of_one_is_update_from():
     assert a.state_dict() == b.state_dict() and a.stats() == b.stats()
 
 
+def _sgd_first_step_overflows(fused: bool, dampening: float = 0.0) -> list[torch.Tensor]:
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening,
+                          fused=fused or None)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    for step in range(4):
+        opt.zero_grad()
+        loss = model(_inputs("cpu")).square().mean()
+        scaler.scale(loss * (INF if step == 0 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_fused_sgd_after_a_skipped_first_step_trains_as_the_plain_one(dampening):
+    """torch's fused SGD makes its momentum buffers with empty_like on its first step and
+    skips the whole kernel on found_inf: the uninitialised buffers (NaN here) reached the
+    weights at the next step."""
+    fused, plain = _sgd_first_step_overflows(True, dampening), _sgd_first_step_overflows(False)
+    assert all(torch.isfinite(p).all() for p in fused)
+    if dampening == 0.0:  # the next step starts the momentum from the gradient, as plain SGD
+        for a, b in zip(fused, plain):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_unscale_goes_through_the_unscale_grads_hook_a_subclass_overrides():
     """torch's unscale_ calls _unscale_grads_ (ShardedGradScaler-style subclasses override
     it); ampkit's bypassed it, so an override was silently ignored."""

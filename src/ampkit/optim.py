@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import register_optimizer_step_pre_hook
 from .master import MASTER_MARK, MasterWeights
 
@@ -208,10 +209,13 @@ def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
     """
     found_inf, stash.found_inf = stash.found_inf, None
     optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+    fresh = fresh_momentum(optimizer)
     try:
-        return stash.inner_step(*args, **kwargs)
+        result = stash.inner_step(*args, **kwargs)
     finally:
         del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+    clear_if_skipped(optimizer, fresh, found_inf)
+    return result
 
 
 def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:

@@ -37,6 +37,7 @@ from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _back
                            _in_range, check_optimizer)
 # OptState: torch's own enum objects, so code that inspects ``_per_optimizer_states``
 # stages keeps working.
+from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_
 from ._unscale import fold_into, unscale_grads_, unscale_per_device
 from .optim import master_weights_of
@@ -511,11 +512,13 @@ class GradScaler:
             grad_scale = self._scale if previous is None else self._scale * previous
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = state["found_inf"]  # type: ignore[attr-defined]
+        fresh = fresh_momentum(optimizer)
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
+        clear_if_skipped(optimizer, fresh, state["found_inf"])
         state["stage"] = OptState.STEPPED
         return retval
 
