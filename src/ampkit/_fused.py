@@ -28,8 +28,10 @@ def fresh_momentum(optimizer: torch.optim.Optimizer) -> list[dict]:
     for group in optimizer.param_groups:
         if not group.get("fused") or not group.get("momentum"):
             continue
-        with_grad = [p for p in group["params"] if p.grad is not None]
-        if with_grad and optimizer.state.get(with_grad[0], {}).get("momentum_buffer") is None:
+        # torch makes the buffers when none of the group's params with a grad has one:
+        # the first such param tells (one lookup per group and step).
+        first = next((p for p in group["params"] if p.grad is not None), None)
+        if first is not None and optimizer.state.get(first, {}).get("momentum_buffer") is None:
             fresh.append(group)
     return fresh
 
