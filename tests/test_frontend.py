@@ -923,18 +923,59 @@ def test_several_processes_update_the_scale_once_per_window_when_the_step_begins
             assert not all(torch.equal(p, w) for p, w in zip(master_params(optimizer), weights))
 
 
-def test_several_processes_without_a_step_the_next_window_applies_the_last(several_processes):
+def test_several_processes_a_window_waits_for_its_own_optimizers_step(several_processes):
+    """Another optimizer's scale_loss on the same loss closed the window at its enter,
+    mid-accumulation, with this rank's unreduced flag (the ranks could part again); and
+    so did a zero_grad without a step, in one case of two."""
+    model, other = _model(), _model(seed=1)
+    opt, opt2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, other))
+    [model, other], [opt, opt2] = initialize([model, other], [opt, opt2], opt_level="O1",
+                                             half_dtype=torch.float16)
+    scaler = _amp_state.loss_scalers[0]
+    with scale_loss(_loss(model, 0) * float("inf"), opt) as scaled:
+        scaled.backward()
+    with scale_loss(_loss(other, 0), opt2) as scaled:  # holds no grads: it closed opt's window
+        assert scaler.loss_scale() == 2.0**16
+        scaled.backward()
+    opt.zero_grad()  # without a step: the window goes on
+    with scale_loss(_loss(model, 1), opt) as scaled:
+        assert scaler.loss_scale() == 2.0**16
+        scaled.backward()
+    opt.step()  # the window's three exits, one of them overflowing: one backoff
+    assert scaler.loss_scale() == 2.0**15 and scaler._unskipped == 0
+
+
+def test_several_processes_o2_step_moves_grads_a_plain_backward_made_after_a_step(
+        several_processes):
+    """The keeping move's "already copied" flag outlived the step: after model.zero_grad()
+    and a plain backward (a fixed scale of 1), the next step trained on nothing."""
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    initialize(model, optimizer, opt_level="O1", half_dtype=torch.float16)
-    scaler = _amp_state.loss_scalers[0]
-    with scale_loss(_loss(model, 0) * float("inf"), optimizer) as scaled:
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, loss_scale=1.0)
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
         scaled.backward()
-    assert scaler.loss_scale() == 2.0**16
-    optimizer.zero_grad()  # no step: the next scale_loss, holding no grads, begins a window
-    with scale_loss(_loss(model, 1), optimizer) as scaled:
-        assert scaler.loss_scale() == 2.0**15
+    optimizer.step()
+    model.zero_grad()
+    _loss(model, 1).backward()
+    before = [m.detach().clone() for m in master_params(optimizer)]
+    optimizer.step()
+    assert not any(torch.equal(m, b) for m, b in zip(master_params(optimizer), before))
+
+
+def test_several_processes_o2_body_raising_after_backward_drops_the_masters_copies(
+        several_processes):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O2", half_dtype=torch.float16)
+    with scale_loss(_loss(model, 0), optimizer) as scaled:
         scaled.backward()
+    assert all(m.grad is not None for m in master_params(optimizer))
+    with pytest.raises(ValueError, match="after"):
+        with scale_loss(_loss(model, 1), optimizer) as scaled:
+            scaled.backward()
+            raise ValueError("after backward")
+    assert all(m.grad is None for m in master_params(optimizer))  # no partial copy stepped
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_several_processes_an_optimizer_never_stepped_keeps_no_closed_windows(
@@ -1000,8 +1041,21 @@ def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
         optimizer.step()
     for group in optimizer.param_groups:
         for param in group["params"]:
-            assert torch.isfinite(param).all()
+            # the skip left zeros: plain SGD from zero buffers steps the same (dampening 0)
             assert torch.isfinite(optimizer.state[param]["momentum_buffer"]).all()
+    fused = [p.detach().clone() for p in master_params(optimizer)]
+    _state.set_active(None)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = _loss(model, step) * (float("inf") if step == 0 else 1.0)
+        with scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    for a, b in zip(fused, master_params(optimizer)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(

@@ -46,7 +46,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "dynamo_reset", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
@@ -156,6 +156,12 @@ def resolve_autocast(device_type: str, dtype: torch.dtype, enabled: bool) -> tup
     """
     reference = _TorchAutocast(device_type, dtype=dtype, enabled=enabled)
     return reference._enabled, reference.fast_dtype
+
+
+# --- autograd ------------------------------------------------------------------------------
+def tensor_version(tensor: Tensor) -> int:
+    """``tensor._version``: autograd's count of in-place writes to it (every release)."""
+    return tensor._version
 
 
 # --- compile -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ._dtypes import HALF_DTYPES
-from ._torch_compat import foreach_add_, foreach_copy_, unflatten_dense_tensors
+from ._torch_compat import foreach_add_, foreach_copy_, tensor_version, unflatten_dense_tensors
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -86,16 +86,16 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.master_params: list[Tensor] = []
         self._master_of: dict[int, Tensor] = {}
-        self._master_ids: set[int] = set()
         self.released = False
         # (model params, masters) per (device, dtype), built once for the foreach copies.
         self._copy_groups: Optional[list[tuple[list[Tensor], list[Tensor]]]] = None
         # The move's buckets when every model param has a dense gradient (the usual step),
         # built once: a step's move then costs O(buckets) host work, not O(params).
         self._full_plan: Optional[_Plan] = None
-        # The model's half gradients, as they are now, are copied into the masters already
-        # (``move_grads(keep=True)``): the step must not move them again.
-        self.mirrored = False
+        # What ``move_grads(keep=True)`` copied into the masters: (param, its half grad, that
+        # grad's version). While the model's grads are still exactly these, unchanged, the
+        # step must not move them again.
+        self._mirror: Optional[list[tuple[Tensor, Tensor, int]]] = None
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -115,7 +115,6 @@ class MasterWeights:
         self.model_params.append(param)
         self.master_params.append(master)
         self._master_of[id(param)] = master
-        self._master_ids.add(id(master))
         _register(param, master, self)
         self._copy_groups = self._full_plan = None
         return master
@@ -123,10 +122,6 @@ class MasterWeights:
     def owns(self, param: Tensor) -> bool:
         """Whether ``param`` is one of this optimizer's half model parameters."""
         return id(param) in self._master_of
-
-    def is_master(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` is one of the fp32 masters."""
-        return id(tensor) in self._master_ids
 
     # --- gradients model -> master --------------------------------------------------------
     def move_grads(self, unscale: Optional[Callable[[list[Tensor]], None]] = None, *,
@@ -143,9 +138,9 @@ class MasterWeights:
         to; None where the model param has none). A later move without ``keep`` (the step's) then finds nothing to move
         until the half gradients change (:meth:`note_model_grads_changed`).
         """
-        if self.mirrored and unscale is None and not keep:
+        if unscale is None and not keep and self._mirrored():
             return  # the step after a keeping move: these half grads are in the masters
-        self.mirrored = keep and not self.released
+        self._mirror = None
         pending = [] if self.released else [
             (param, master) for param, master in zip(self.model_params, self.master_params)
             if param.grad is not None]
@@ -166,6 +161,7 @@ class MasterWeights:
                 master.grad = None
             for master, grad in pairs:
                 master.grad = grad
+            self._mirror = [(p, p.grad, tensor_version(p.grad)) for p in params]
             return
         adding = [(master, grad) for master, grad in pairs if master.grad is not None]
         for master, grad in pairs:
@@ -205,12 +201,22 @@ class MasterWeights:
         for master in self.master_params:
             master.grad = None
 
+    def _mirrored(self) -> bool:
+        """Whether the model's half grads are exactly those the last keeping move copied."""
+        mirror = self._mirror
+        if mirror is None:
+            return False
+        if len([p for p in self.model_params if p.grad is not None]) != len(mirror):
+            return False
+        return all(p.grad is grad and tensor_version(grad) == version
+                   for p, grad, version in mirror)
+
     def note_model_grads_changed(self) -> None:
         """The half gradients changed after a keeping move (a backward added to them)."""
-        self.mirrored = False
+        self._mirror = None
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
-        self.mirrored = False
+        self._mirror = None
         for param in self.model_params:
             if param.grad is not None:
                 if set_to_none:

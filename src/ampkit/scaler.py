@@ -308,10 +308,8 @@ class GradScaler:
         for _ in range(iterations - 1):
             self._apply_update(clean, synced=True)
         self._apply_update(found_inf, synced=True)
-        if self._hysteresis == 1:
-            amp_update_scale_(start, start_tracker, found_inf, self._growth_factor,
-                              self._backoff_factor, self._growth_interval)
-            start.clamp_(*self._scale_bounds())
+        if self._hysteresis == 1:  # an overflow: the update from the window's start instead
+            self._update_scale(start, start_tracker, found_inf)
             scale.copy_(torch.where(found_inf.reshape(()) > 0, start, scale))
 
     def set_scale(self, scale: float) -> None:
@@ -589,6 +587,11 @@ class GradScaler:
         if not synced:
             self._sync_found_inf(found_inf)
         self._count_step(found_inf)
+        self._update_scale(scale, tracker, found_inf)
+
+    def _update_scale(self, scale: Tensor, tracker: Tensor, found_inf: Tensor) -> None:
+        """The scale rule, in place on ``scale`` and ``tracker``: backoff (with hysteresis)
+        or growth, then the bounds. No host sync."""
         if self._hysteresis == 1:
             amp_update_scale_(scale, tracker, found_inf, self._growth_factor,
                               self._backoff_factor, self._growth_interval)

@@ -99,9 +99,6 @@ class _ScaleLoss:
         window = amp.scale_windows.get(loss_id) if amp.scale_windows else None
         held = self.held = [_set_aside(opt, stash, scaler, window)
                             for opt, stash in zip(self.opts, self.stashes)]
-        if window is not None and not [entry for entry in held if not entry.empty]:
-            window.close()  # nothing accumulates: the last window ended without a step
-            scaled = scaler.scale(loss) if scaler is not None else loss  # its new scale
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
                 started = _Started()  # whether a raising body's backward began (restore)
@@ -183,11 +180,7 @@ class _Held:
     started: Optional["_Started"] = None
     retagged: list[Tensor] = field(default_factory=list)
     retag_undo: Optional[Tensor] = None
-
-    @property
-    def empty(self) -> bool:
-        """Whether the params held no grads when the body began."""
-        return not (self.own_grads or self.half_grads or self.in_place)
+    copies: list[Tensor] = field(default_factory=list)  # masters holding copies of ``half``'s
 
     def restore(self) -> None:
         """The body raised: undo what it did to these grads.
@@ -204,7 +197,7 @@ class _Held:
                 if self.retagged:
                     foreach_mul_(self.retagged, self.retag_undo)
         else:
-            for param in self.own + self.half:
+            for param in self.own + self.half + self.copies:
                 param.grad = None
         for param, grad in self.own_grads + self.half_grads:
             param.grad = grad
@@ -248,11 +241,11 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
     half = [] if masters is None else masters.model_params
     own_held = [p for p in own if p.grad is not None]
     half_held = [p for p in half if p.grad is not None]
-    if own_held and masters is not None and _several_processes():
-        # The masters' grads are copies of the half grads (see _take_grads): not held.
-        own_held = [p for p in own_held if not masters.is_master(p)]
     if not (own_held or half_held):
-        return _Held(own, half, [], [], stash.grads_unscaled, [])
+        # (in a run of several processes the masters' grads are copies of the half grads:
+        # dropped with them if the body raises)
+        copies = [] if masters is None or not _several_processes() else masters.master_params
+        return _Held(own, half, [], [], stash.grads_unscaled, [], copies=copies)
     unscaled = stash.grads_unscaled and scaler is not None
     if not _several_processes():
         held = _Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
@@ -266,7 +259,8 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         with torch.no_grad():
             foreach_mul_(rescaled, scaler.scale_tensor())
     held = _Held(own, half, [], [], False, rescaled,
-                 scaler.inverse_scale() if rescaled else None, in_place=True)
+                 scaler.inverse_scale() if rescaled else None, in_place=True,
+                 copies=[] if masters is None else masters.master_params)
     tag = stash.scaled_in
     if scaler is not None and tag is not None and tag is not window and tag.scale is not None:
         # Grads still scaled by another window's scale (another loss's, or one a step has
@@ -301,8 +295,7 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
         held.add_back(own=delay or not held.own_unscaled, half=True)
     masters = stash.masters
     keep = masters is not None and _several_processes()
-    own = [] if delay else [p.grad for p in held.own
-                            if p.grad is not None and not (keep and masters.is_master(p))]
+    own = [] if delay else [p.grad for p in held.own if p.grad is not None]
     if inv_scale is None or found_inf is None:  # a fixed scale of 1: nothing to unscale
         if masters is not None:
             masters.move_grads(None, keep=keep)
