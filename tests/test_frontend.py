@@ -1058,6 +1058,25 @@ def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_several_processes_fp16_grads_held_in_place_are_not_scaled_past_their_own_scale(
+        several_processes):
+    """O3 fp16, two losses into one optimizer: loss 1's enter scaled loss 0's unscaled fp16
+    grads (made at scale 1) up by its own 2**16 and overflowed them, a skip one process
+    does not take. Loss 1's body now runs at most at the held grads' scale."""
+    model = _model().half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O3", half_dtype=torch.float16, num_losses=2,
+               loss_scale="dynamic", verbosity=0)
+    _amp_state.loss_scalers[0]._loss_scale = 1.0
+    optimizer.zero_grad()
+    for loss_id in (0, 1):
+        with scale_loss(_loss(model, loss_id) * 8, optimizer, loss_id=loss_id) as scaled:
+            scaled.backward()
+    assert not optimizer._amp_stash.skip_next
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [1.0, 2.0**16]
+
+
 def test_a_body_raising_before_its_backward_leaves_grads_held_in_place_as_they_were(
         several_processes):
     model = _model()

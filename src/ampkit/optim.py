@@ -56,8 +56,8 @@ class AmpStash:
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
     # loss-scale updates that wait for this optimizer's step.
     before_step: list[Callable[[], None]] = field(default_factory=list)
-    # In a run of several processes: the scale_loss window (frontend.overflow.Window) whose
-    # scale the grads left scaled on the params carry.
+    # In a run of several processes: (window, scale) of the last scale_loss exit that left
+    # grads scaled on the params (frontend.overflow.Window; the scale tensor they carry).
     scaled_in: Any = None
 
 

@@ -155,8 +155,8 @@ def _define_history_amax() -> Any:
     instead of saving its result: the backward then reads the history after the push, and
     the scale it dequantises a saved fp8 tensor by is not the one that tensor was cast
     with (silently wrong gradients: pytorch/pytorch#197039). The partitioner never
-    recomputes a custom op, so the read is saved. torch 2.13 recomputed ``history[0]``
-    (``most_recent``) and the max of a history of at most 4 entries.
+    recomputes a custom op, so the read is saved. torch 2.11 and 2.13 recomputed
+    ``history[0]`` (``most_recent``) and the max of a history of at most 4 entries.
     """
     if hasattr(torch.ops.ampkit, "history_amax"):  # defined by an earlier import
         return torch.ops.ampkit.history_amax.default

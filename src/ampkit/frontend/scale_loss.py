@@ -70,7 +70,7 @@ class _ScaleLoss:
     """One ``with scale_loss(...)``: its arguments until entered, then what exit needs."""
 
     __slots__ = ("loss", "optimizers", "loss_id", "delay_unscale", "delay_overflow_check",
-                 "amp", "opts", "stashes", "held")
+                 "amp", "opts", "stashes", "held", "body_scale")
 
     def __init__(self, loss: Tensor, optimizers: OptimizerArg, loss_id: int,
                  delay_unscale: bool, delay_overflow_check: bool) -> None:
@@ -99,6 +99,17 @@ class _ScaleLoss:
         window = amp.scale_windows.get(loss_id) if amp.scale_windows else None
         held = self.held = [_set_aside(opt, stash, scaler, window)
                             for opt, stash in zip(self.opts, self.stashes)]
+        self.body_scale = None
+        caps = [entry.cap for entry in held if entry.cap is not None]
+        if caps:  # grads held in place, still scaled: this body's scale is at most theirs
+            body = scaler.scale_tensor()
+            for cap in caps:
+                body = torch.minimum(body, cap.to(body.device))
+            self.body_scale = body
+            scaled = loss * body
+        if scaler is not None:
+            for entry in held:
+                entry.scale_up(self.body_scale if caps else scaler.scale_tensor())
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
                 started = _Started()  # whether a raising body's backward began (restore)
@@ -123,7 +134,8 @@ class _ScaleLoss:
                 _take_grads(stash, entry, None, None, delay=True)
             return False
         scaler = amp.scalers[self.loss_id]
-        inv_scale = scaler.inverse_scale()
+        body = self.body_scale
+        inv_scale = scaler.inverse_scale() if body is None else body.reciprocal()
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         delay_unscale = self.delay_unscale
         for stash, entry in zip(stashes, held):
@@ -131,8 +143,9 @@ class _ScaleLoss:
         window = None
         if amp.dynamic and _several_processes():
             window = window_for(amp, self.loss_id, scaler, stashes)
-            for stash in stashes:  # the grads left scaled now carry this window's scale
-                stash.scaled_in = window
+            tag = (window, window.scale if body is None else body)
+            for stash in stashes:  # the grads left scaled now carry this scale
+                stash.scaled_in = tag
         if delay_unscale:
             for stash in stashes:  # checked with the call that does not delay
                 stash.pending_found_inf = or_flag(stash.pending_found_inf, found_inf)
@@ -160,8 +173,9 @@ class _Held:
     must be there whole. Grads still scaled then take the backward as they are, and grads
     an earlier exit unscaled are first scaled up in place by this loss's scale
     (``rescaled``; exact for a power-of-two scale), so the exit unscales them all together.
-    The scale stays the same through an accumulation there (:class:`.overflow.Window`), so
-    scaling fp16 grads up gives back values the last backward held: it cannot overflow.
+    The scale stays the same through an accumulation there (:class:`.overflow.Window`), and
+    a body runs at most at the scale its held grads were made at (``cap``: another loss's
+    larger scale could overflow fp16 grads scaled up past it; ``scale_up``).
     Nothing is held after a zero_grad: the usual case costs nothing.
 
     ``own``: the params the optimizer steps itself; ``half``: the half model params behind
@@ -181,6 +195,27 @@ class _Held:
     retagged: list[Tensor] = field(default_factory=list)
     retag_undo: Optional[Tensor] = None
     copies: list[Tensor] = field(default_factory=list)  # masters holding copies of ``half``'s
+    # Several processes: the scale the held grads were made at (``tag_scale``), an upper
+    # bound on the body's scale (``cap``: fp16 grads scaled up past it could overflow), and
+    # whether grads still scaled by another window's scale must be brought to the body's.
+    tag_scale: Optional[Tensor] = None
+    cap: Optional[Tensor] = None
+    retag: bool = False
+
+    def scale_up(self, body: Tensor) -> None:
+        """Before the body (in place, several processes): bring the held grads to the
+        body's scale ``body``: unscaled ones (``rescaled``) up by it, grads still scaled by
+        another window's scale (``retagged``) by ``body / tag_scale``."""
+        if not (self.rescaled or self.retag):
+            return
+        with torch.no_grad():
+            if self.rescaled:
+                foreach_mul_(self.rescaled, body)
+                self.inv_scale = body.reciprocal()
+            if self.retag:
+                ratio = body / self.tag_scale.to(body.device)
+                foreach_mul_(self.retagged, ratio)
+                self.retag_undo = ratio.reciprocal()
 
     def restore(self) -> None:
         """The body raised: undo what it did to these grads.
@@ -194,7 +229,7 @@ class _Held:
             with torch.no_grad():
                 if self.rescaled:
                     foreach_mul_(self.rescaled, self.inv_scale)
-                if self.retagged:
+                if self.retag_undo is not None:
                     foreach_mul_(self.retagged, self.retag_undo)
         else:
             for param in self.own + self.half + self.copies:
@@ -253,24 +288,21 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         for param in own_held + half_held:
             param.grad = None
         return held
-    rescaled: list[Tensor] = []
-    if unscaled and own_held:
-        rescaled = [p.grad for p in own_held]
-        with torch.no_grad():
-            foreach_mul_(rescaled, scaler.scale_tensor())
-    held = _Held(own, half, [], [], False, rescaled,
-                 scaler.inverse_scale() if rescaled else None, in_place=True,
-                 copies=[] if masters is None else masters.master_params)
-    tag = stash.scaled_in
-    if scaler is not None and tag is not None and tag is not window and tag.scale is not None:
-        # Grads still scaled by another window's scale (another loss's, or one a step has
-        # since updated): brought to this loss's scale, so the exit unscales them all alike.
-        still = [p.grad for p in half_held] + ([] if unscaled else [p.grad for p in own_held])
-        if still:
-            ratio = scaler.scale_tensor() / tag.scale.to(scaler.scale_tensor().device)
-            with torch.no_grad():
-                foreach_mul_(still, ratio)
-            held.retagged, held.retag_undo = still, ratio.reciprocal()
+    held = _Held(own, half, [], [], False, [p.grad for p in own_held] if unscaled else [],
+                 in_place=True, copies=[] if masters is None else masters.master_params)
+    tag = stash.scaled_in  # (window, scale) of the last exit, which made the held grads
+    if scaler is None or tag is None or tag[1] is None:
+        return held
+    still = [p.grad for p in half_held] + ([] if unscaled else [p.grad for p in own_held])
+    same = tag[0] is window
+    # The body's scale is at most the held grads' own: in their window (where an earlier
+    # body may have been capped so), and for fp16 grads, which scaled up past the scale
+    # they were made at could overflow (another loss's larger scale). Grads still scaled
+    # by another window's scale are brought to the body's.
+    if same or [g for g in still + held.rescaled if g.dtype == torch.float16]:
+        held.cap = tag[1]
+    if still and not same:
+        held.retagged, held.retag, held.tag_scale = still, True, tag[1]
     return held
 
 
