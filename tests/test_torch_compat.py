@@ -121,6 +121,17 @@ def _resolve_autocast() -> None:
            f"an unsupported dtype resolves to {resolved}, not (False, torch.float64)")
 
 
+def _tensor_version() -> None:
+    grad = torch.zeros(3)
+    before = tc.tensor_version(grad)
+    _check("tensor_version", isinstance(before, int), f"{type(before).__name__}, not an int")
+    grad.add_(1.0)
+    _check("tensor_version", tc.tensor_version(grad) > before, "an in-place add left it as it was")
+    after = tc.tensor_version(grad)
+    grad.float()  # reading (a no-op cast) writes nothing
+    _check("tensor_version", tc.tensor_version(grad) == after, "a read changed it")
+
+
 def _is_compiling() -> None:
     _check("is_compiling", tc.is_compiling() is False, "True in eager code")
     seen = []
@@ -406,6 +417,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "import_dynamo": _import_dynamo,
+    "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "group_tensors_by_device_and_dtype": _group_tensors,
