@@ -54,8 +54,8 @@ class AmpStash:
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
-    # loss-scale updates that wait for this optimizer's step.
-    before_step: list[Callable[[], None]] = field(default_factory=list)
+    # loss-scale updates that wait for this optimizer's step (one per loss id at most).
+    before_step: dict[Any, Callable[[], None]] = field(default_factory=dict)
     # In a run of several processes: (window, scale) of the last scale_loss exit that left
     # grads scaled on the params (frontend.overflow.Window; the scale tensor they carry).
     scaled_in: Any = None
@@ -142,8 +142,8 @@ def _recast_state(optimizer: torch.optim.Optimizer) -> None:
 def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash: AmpStash = getattr(self, ATTR)
     if stash.before_step:
-        callbacks, stash.before_step = stash.before_step, []
-        for callback in callbacks:
+        callbacks, stash.before_step = stash.before_step, {}
+        for callback in callbacks.values():
             callback()
     if stash.skip_next:
         # The overflowing step: params, masters and optimizer state stay as they are;

@@ -122,12 +122,8 @@ class Window:
 
     def join(self, stashes: list[AmpStash]) -> None:
         """Close this window when the next step of one of these optimizers begins."""
-        for stash in stashes:
-            if self.close not in stash.before_step:
-                # (windows another optimizer's step closed go: one never stepped keeps none)
-                kept = [close for close in stash.before_step
-                        if not close.__self__.closed]  # type: ignore[attr-defined]
-                stash.before_step = kept + [self.close]
+        for stash in stashes:  # (replacing a window of this loss another step closed)
+            stash.before_step[self.loss_id] = self.close
 
     def close(self) -> None:
         """Apply the window's updates (once; a later call does nothing)."""
