@@ -100,16 +100,10 @@ class _ScaleLoss:
         held = self.held = [_set_aside(opt, stash, scaler, window)
                             for opt, stash in zip(self.opts, self.stashes)]
         self.body_scale = None
-        caps = [entry.cap for entry in held if entry.cap is not None]
-        if caps:  # grads held in place, still scaled: this body's scale is at most theirs
-            body = scaler.scale_tensor()
-            for cap in caps:
-                body = torch.minimum(body, cap.to(body.device))
-            self.body_scale = body
-            scaled = loss * body
-        if scaler is not None:
-            for entry in held:
-                entry.scale_up(self.body_scale if caps else scaler.scale_tensor())
+        if scaler is not None and [entry for entry in held if entry.in_place]:
+            self._scale_held_up(scaler, held)  # several processes, grads held in place
+            if self.body_scale is not None:
+                scaled = loss * self.body_scale
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
                 started = _Started()  # whether a raising body's backward began (restore)
@@ -118,6 +112,18 @@ class _ScaleLoss:
                     each.started = started
                 break
         return scaled
+
+    def _scale_held_up(self, scaler: GradScaler, held: list[_Held]) -> None:
+        """Bring the grads held in place to this body's scale: the loss's, or at most the
+        scale they were made at (``_Held.cap``), then kept in ``body_scale``."""
+        body = scaler.scale_tensor()
+        caps = [entry.cap for entry in held if entry.cap is not None]
+        if caps:
+            for cap in caps:
+                body = torch.minimum(body, cap.to(body.device))
+            self.body_scale = body
+        for entry in held:
+            entry.scale_up(body)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         held = self.held
