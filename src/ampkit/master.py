@@ -138,7 +138,7 @@ class MasterWeights:
         to; None where the model param has none). A later move without ``keep`` (the step's) then finds nothing to move
         until the half gradients change (:meth:`note_model_grads_changed`).
         """
-        if unscale is None and not keep and self._mirrored():
+        if self._mirror is not None and unscale is None and not keep and self._mirrored():
             return  # the step after a keeping move: these half grads are in the masters
         self._mirror = None
         pending = [] if self.released else [

@@ -214,7 +214,8 @@ def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
         result = stash.inner_step(*args, **kwargs)
     finally:
         del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
-    clear_if_skipped(optimizer, fresh, found_inf)
+    if fresh:
+        clear_if_skipped(optimizer, fresh, found_inf)
     return result
 
 

@@ -516,7 +516,8 @@ class GradScaler:
         finally:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
-        clear_if_skipped(optimizer, fresh, state["found_inf"])
+        if fresh:
+            clear_if_skipped(optimizer, fresh, state["found_inf"])
         state["stage"] = OptState.STEPPED
         return retval
 

@@ -70,7 +70,7 @@ class _ScaleLoss:
     """One ``with scale_loss(...)``: its arguments until entered, then what exit needs."""
 
     __slots__ = ("loss", "optimizers", "loss_id", "delay_unscale", "delay_overflow_check",
-                 "amp", "opts", "stashes", "held", "body_scale")
+                 "amp", "opts", "stashes", "held", "body_scale", "several")
 
     def __init__(self, loss: Tensor, optimizers: OptimizerArg, loss_id: int,
                  delay_unscale: bool, delay_overflow_check: bool) -> None:
@@ -97,11 +97,12 @@ class _ScaleLoss:
         scaler = amp.scalers[loss_id] if amp.scaling else None
         scaled = scaler.scale(loss) if scaler is not None else loss
         window = amp.scale_windows.get(loss_id) if amp.scale_windows else None
-        held = self.held = [_set_aside(opt, stash, scaler, window)
+        several = self.several = _several_processes()
+        held = self.held = [_set_aside(opt, stash, scaler, window, several)
                             for opt, stash in zip(self.opts, self.stashes)]
         self.body_scale = None
-        if scaler is not None and [entry for entry in held if entry.in_place]:
-            self._scale_held_up(scaler, held)  # several processes, grads held in place
+        if several and scaler is not None:  # grads held in place
+            self._scale_held_up(scaler, held)
             if self.body_scale is not None:
                 scaled = loss * self.body_scale
         for entry in held:  # a loop, not any(): this runs every step
@@ -137,7 +138,7 @@ class _ScaleLoss:
         amp, stashes = self.amp, self.stashes
         if not amp.scaling:  # a fixed scale of 1.0: nothing to unscale or check
             for stash, entry in zip(stashes, held):
-                _take_grads(stash, entry, None, None, delay=True)
+                _take_grads(stash, entry, None, None, delay=True, several=self.several)
             return False
         scaler = amp.scalers[self.loss_id]
         body = self.body_scale
@@ -145,9 +146,10 @@ class _ScaleLoss:
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         delay_unscale = self.delay_unscale
         for stash, entry in zip(stashes, held):
-            _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale)
+            _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale,
+                        several=self.several)
         window = None
-        if amp.dynamic and _several_processes():
+        if self.several and amp.dynamic:
             window = window_for(amp, self.loss_id, scaler, stashes)
             tag = (window, window.scale if body is None else body)
             for stash in stashes:  # the grads left scaled now carry this scale
@@ -273,10 +275,10 @@ class _Started:
 
 
 def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
-               scaler: Optional[GradScaler], window: Optional[Window]) -> _Held:
+               scaler: Optional[GradScaler], window: Optional[Window], several: bool) -> _Held:
     """What the optimizer's params hold before the body (see :class:`_Held`); ``scaler``:
     this loss's, None under a fixed scale of 1 (nothing to scale up); ``window``: its open
-    window in a run of several processes."""
+    window, ``several``: whether this is a run of several processes."""
     own = own_params(optimizer)
     masters = stash.masters
     half = [] if masters is None else masters.model_params
@@ -285,10 +287,10 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
     if not (own_held or half_held):
         # (in a run of several processes the masters' grads are copies of the half grads:
         # dropped with them if the body raises)
-        copies = [] if masters is None or not _several_processes() else masters.master_params
+        copies = masters.master_params if several and masters is not None else []
         return _Held(own, half, [], [], stash.grads_unscaled, [], copies=copies)
     unscaled = stash.grads_unscaled and scaler is not None
-    if not _several_processes():
+    if not several:
         held = _Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
                      stash.grads_unscaled, [])
         for param in own_held + half_held:
@@ -313,7 +315,7 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
 
 
 def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
-                found_inf: Optional[Tensor], delay: bool) -> None:
+                found_inf: Optional[Tensor], delay: bool, several: bool) -> None:
     """After the body: unscale what its backward produced for an optimizer (unless
     ``delay``), move the model's half grads into the fp32 masters, add back what was held.
 
@@ -332,7 +334,7 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     if holding:
         held.add_back(own=delay or not held.own_unscaled, half=True)
     masters = stash.masters
-    keep = masters is not None and _several_processes()
+    keep = several and masters is not None
     own = [] if delay else [p.grad for p in held.own if p.grad is not None]
     if inv_scale is None or found_inf is None:  # a fixed scale of 1: nothing to unscale
         if masters is not None:
@@ -353,9 +355,14 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
 
 
 def _several_processes() -> bool:
-    """Whether this process is one of several in a torch.distributed run."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether this process is one of several in a torch.distributed run (one call into
+    torch while it runs alone: every scale_loss asks)."""
+    return _DIST_INITIALIZED is not None and _DIST_INITIALIZED() and \
+        torch.distributed.get_world_size() > 1
+
+
+# torch.distributed.is_initialized, None in a build without torch.distributed.
+_DIST_INITIALIZED = torch.distributed.is_initialized if torch.distributed.is_available() else None
 
 
 def _unscale_grads(own: list[Tensor], inv_scale: Tensor, found_inf: Tensor,
