@@ -1027,26 +1027,11 @@ def test_several_processes_two_losses_at_two_scales_feed_one_optimizer(monkeypat
     assert (b - a).norm() <= 2e-3 * a.norm()
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
-    """The fused step after scale_loss's overflow left torch's uninitialised momentum."""
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
-    for step in range(3):
-        optimizer.zero_grad()
-        loss = _loss(model, step) * (float("inf") if step == 0 else 1.0)
-        with scale_loss(loss, optimizer) as scaled:
-            scaled.backward()
-        optimizer.step()
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            # the skip left zeros: plain SGD from zero buffers steps the same (dampening 0)
-            assert torch.isfinite(optimizer.state[param]["momentum_buffer"]).all()
-    fused = [p.detach().clone() for p in master_params(optimizer)]
+def _sgd_first_step_overflows(level: str, **sgd) -> torch.optim.Optimizer:
+    """Three scale_loss steps with SGD(momentum=0.9, **sgd), the first overflowing."""
     _state.set_active(None)
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **sgd)
     model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16)
     for step in range(3):
         optimizer.zero_grad()
@@ -1054,7 +1039,19 @@ def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
         with scale_loss(loss, optimizer) as scaled:
             scaled.backward()
         optimizer.step()
-    for a, b in zip(fused, master_params(optimizer)):
+    return optimizer
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fused_sgd_after_a_skipped_first_step_under_scale_loss(level):
+    """The fused step after scale_loss's overflow left torch's uninitialised momentum;
+    the skip now leaves zeros, from which plain SGD steps the same (dampening 0)."""
+    fused = _sgd_first_step_overflows(level, fused=True)
+    buffers = [fused.state[p]["momentum_buffer"] for p in master_params(fused)]
+    assert all(torch.isfinite(b).all() for b in buffers)
+    fused_params = [p.detach().clone() for p in master_params(fused)]
+    plain = _sgd_first_step_overflows(level, foreach=False)
+    for a, b in zip(fused_params, master_params(plain)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
