@@ -135,8 +135,9 @@ class MasterWeights:
 
         ``keep=True`` copies instead: the half gradients stay on the model, where they keep
         accumulating, and each master's gradient becomes its fp32 copy (replaced, not added
-        to; None where the model param has none). A later move without ``keep`` (the step's) then finds nothing to move
-        until the half gradients change (:meth:`note_model_grads_changed`).
+        to; None where the model param has none). A later move without ``keep`` (the
+        step's) then finds nothing to move until the half gradients change (another
+        gradient object, or an in-place add: autograd's version count).
         """
         if self._mirror is not None and unscale is None and not keep and self._mirrored():
             return  # the step after a keeping move: these half grads are in the masters
@@ -204,16 +205,11 @@ class MasterWeights:
     def _mirrored(self) -> bool:
         """Whether the model's half grads are exactly those the last keeping move copied."""
         mirror = self._mirror
-        if mirror is None:
-            return False
-        if len([p for p in self.model_params if p.grad is not None]) != len(mirror):
+        if mirror is None or len([p for p in self.model_params
+                                  if p.grad is not None]) != len(mirror):
             return False
         return all(p.grad is grad and tensor_version(grad) == version
                    for p, grad, version in mirror)
-
-    def note_model_grads_changed(self) -> None:
-        """The half gradients changed after a keeping move (a backward added to them)."""
-        self._mirror = None
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         self._mirror = None

@@ -45,8 +45,10 @@ def update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
     fused = True
     for optimizer in optimizers:
         fused = fused and getattr(optimizer, STEP_SUPPORTS_AMP_SCALING, False)
+    overflow = None
     if window is not None:
-        window.add(found_inf, None if fused else bool(found_inf.item()))
+        overflow = None if fused else bool(found_inf.item())
+        window.add(found_inf, overflow)
     else:
         scaler.update_from(found_inf, handed_over=True)  # a fresh flag per call
     if fused:
@@ -58,7 +60,7 @@ def update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
             amp.overflow_notes.append(_OverflowNote.start(found_inf, _names(optimizers), loss_id))
         return
     if window is not None:  # the flag is on the host already (window.add read it)
-        if window.last_overflow:
+        if overflow:
             for stash in stashes:
                 stash.skip_next = True
             logger.log(amp.log_level, "Gradient overflow: skipping the next step() of %s; loss "
@@ -99,8 +101,7 @@ class Window:
     of a window is scaled by the same scale, ``scale`` (a copy taken when it opened).
     """
 
-    __slots__ = ("amp", "loss_id", "scaler", "scale", "exits", "found", "overflow",
-                 "last_overflow", "closed")
+    __slots__ = ("amp", "loss_id", "scaler", "scale", "exits", "found", "overflow", "closed")
 
     def __init__(self, amp: _state.ActiveAmp, loss_id: int, scaler: GradScaler) -> None:
         self.amp, self.loss_id, self.scaler = amp, loss_id, scaler
@@ -109,14 +110,12 @@ class Window:
         self.exits = 0
         self.found: Optional[Tensor] = None
         self.overflow: Optional[bool] = False  # any overflow; None: a flag not on the host
-        self.last_overflow = False
         self.closed = False
 
     def add(self, found_inf: Tensor, overflow: Optional[bool]) -> None:
         """One exit's flag (``overflow``: its value on the host, None when not read)."""
         self.exits += 1
         self.found = or_flag(self.found, found_inf)
-        self.last_overflow = bool(overflow)
         self.overflow = None if overflow is None or self.overflow is None \
             else self.overflow or overflow
 

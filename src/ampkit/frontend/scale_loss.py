@@ -340,9 +340,7 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
         if masters is not None:
             masters.move_grads(None, keep=keep)
     elif masters is not None:
-        if delay and keep:
-            masters.note_model_grads_changed()
-        else:
+        if not (delay and keep):  # (a delayed exit leaves them on the model, still scaled)
             masters.move_grads(functools.partial(_unscale_grads, own, inv_scale, found_inf),
                                keep=keep)
     else:
