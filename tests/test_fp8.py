@@ -278,6 +278,20 @@ def test_3d_input_equals_flattened(recipe):
     assert x.grad.shape == (2, 8, 64) and torch.equal(x.grad.reshape(16, 64), x2.grad)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(16, 64), (2, 8, 64)])
+def test_the_output_is_not_a_view_like_nn_linears(shape, bias):
+    # FSDP2 hooks a module's output for its backward; an in-place op on a view of it drops
+    # the hook (torch 2.13 warns "returned a view tensor"). Bias-free layers returned a
+    # reshape of the matmul's result.
+    fp8 = Float8Linear(64, 32, bias=bias, config=Float8Config("tensorwise", emulate=True))
+    x = torch.randn(*shape, requires_grad=True)
+    out = fp8(x)
+    assert not out._is_view() and out.shape == (*shape[:-1], 32)
+    out.sum().backward()
+    assert x.grad.shape == shape
+
+
 def test_empty_batch():
     _, fp8 = layer_pair("delayed")
     x = torch.zeros(0, 3, 64, requires_grad=True)

@@ -190,6 +190,14 @@ def _aten_to_copy() -> None:
     _check("aten_to_copy", tc.aten_to_copy in ops, f".to(float16) dispatched {ops}")
 
 
+def _unsafe_view() -> None:
+    base = torch.arange(6.0)
+    out = tc.unsafe_view(base, (2, 3))
+    _check("unsafe_view", out.shape == (2, 3) and out.data_ptr() == base.data_ptr(),
+           f"shape {tuple(out.shape)}, not (2, 3) over the same storage")
+    _check("unsafe_view", not out._is_view(), "its result is a view")
+
+
 def _group_tensors() -> None:
     a, h, b = torch.ones(2), torch.ones(3, dtype=torch.float16), torch.zeros(2)
     groups = tc.group_tensors_by_device_and_dtype([[a, h, b]], True)
@@ -420,6 +428,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
+    "unsafe_view": _unsafe_view,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
     "foreach_copy_": _foreach, "foreach_add_": _foreach, "foreach_mul_": _foreach, "sparse_values": _sparse_values,

@@ -47,6 +47,7 @@ __all__ = [
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
     "is_compiling", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "unsafe_view",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
@@ -203,6 +204,9 @@ class EagerDispatchMode(TorchDispatchMode):  # type: ignore[misc,valid-type]
 
 # The aten op ``.to(dtype)`` dispatches to (a dispatch mode sees fp8 widened to fp32); 1.10.
 aten_to_copy = _entry("torch.ops.aten._to_copy.default")
+# (tensor, shape): a reshape whose result is not a view, as torch's linear and matmul return
+# theirs (Float8Linear's output: FSDP2 hooks module outputs, which views would lose); 1.0.
+unsafe_view = _entry("torch.ops.aten._unsafe_view.default")
 
 # --- loss scaling and optimizers (scaler.py, _unscale.py, master.py, frontend/) ---------------
 # {(device, dtype): ([[tensors]], indices)} in one C++ pass over a list of tensor lists; 2.1.

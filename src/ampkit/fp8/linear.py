@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .._dtypes import capability, fp8_supported
 from .._torch_compat import (AfterApply, get_autocast_dtype, is_autocast_enabled, is_compiling,
-                             scaled_mm)
+                             scaled_mm, unsafe_view)
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
@@ -149,12 +149,17 @@ def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """``x @ W^T`` with fp8 operands in forward and both backward matmuls."""
+    """``x @ W^T`` with fp8 operands in forward and both backward matmuls.
+
+    ``x`` is 2-D; the output comes back with leading dimensions ``lead`` and is not a
+    view (as nn.Linear's is not): FSDP2 hooks a module's output for its backward, and an
+    in-place op on a view of it would drop that hook.
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, config: Float8Config, native: bool,  # type: ignore[override]
-                out_dtype: torch.dtype, warmup: bool, record: bool, h_in: Optional[Tensor],
-                h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, lead: tuple[int, ...], config: Float8Config,  # type: ignore[override]
+                native: bool, out_dtype: torch.dtype, warmup: bool, record: bool,
+                h_in: Optional[Tensor], h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
         state = _CastState(config, (h_in, h_w, h_g), warmup, record)
         with torch.autocast(x.device.type, enabled=False):  # our fp32 math stays fp32
             x_q = _cast(x, _INPUT, -1, state)
@@ -168,13 +173,14 @@ class _Fp8LinearFn(torch.autograd.Function):
             ctx.save_for_backward(x_q.data, x_q.inv_scale, w_q.data, w_q.inv_scale)
         ctx.state, ctx.native = state, native
         ctx.dtypes = (x.dtype, weight.dtype)
-        return out
+        return unsafe_view(out, (*lead, out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
         state, native = ctx.state, ctx.native
         (x_dtype, w_dtype), (need_x, need_w) = ctx.dtypes, ctx.needs_input_grad[:2]
         grad_x = grad_w = None
+        grad_out = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.autocast(grad_out.device.type, enabled=False):
             g_rows = _cast(grad_out, _GRAD, -1, state)
             if state.config.recipe is Recipe.ROWWISE:
@@ -191,7 +197,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                     grad_x = fp8_mm(g_rows, Fp8(w_data, w_inv), x_dtype, native)
                 if need_w:
                     grad_w = fp8_mm(g_rows.t(), Fp8(x_data, x_inv), w_dtype, native)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
 def _output_dtype(x: Tensor) -> torch.dtype:
@@ -373,10 +379,9 @@ class Float8Linear(AfterApply, nn.Linear):
             return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
-        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.config,
-                                 native, _output_dtype(x), self._warmup_step(),
+        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, tuple(x.shape[:-1]),
+                                 self.config, native, _output_dtype(x), self._warmup_step(),
                                  torch.is_grad_enabled(), *histories)
-        out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
