@@ -102,7 +102,8 @@ def test_the_public_names_and_signatures():
     kinds = {name: (p.kind.name, p.default) for name, p in inspect.signature(shard).parameters.items()}
     assert kinds == {"model": ("POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
                      "policy": ("POSITIONAL_OR_KEYWORD", inspect.Parameter.empty),
-                     "mesh": ("KEYWORD_ONLY", None), "modules": ("KEYWORD_ONLY", None)}
+                     "mesh": ("KEYWORD_ONLY", None), "modules": ("KEYWORD_ONLY", None),
+                     "fp8_all_gather": ("KEYWORD_ONLY", True)}
     assert list(inspect.signature(fsdp_policy).parameters)[:1] == ["policy"]
 
 
@@ -217,6 +218,7 @@ def _unchanged(model: nn.Module, before: dict) -> bool:
     ({"modules": ["inp", "nothing"]}, ValueError, r"modules='nothing' matches no module"),
     ({"modules": [3]}, TypeError, r"modules item 3 is not a module selector; valid:"),
     ({"mesh": "cpu"}, TypeError, r"mesh='cpu' is not a DeviceMesh; valid:"),
+    ({"fp8_all_gather": "yes"}, TypeError, r"fp8_all_gather='yes' is not a bool; valid: True"),
 ])
 def test_shard_refuses_bad_input_before_anything_changes(one_rank, kwargs, error, match):
     model = ampkit.keep_fp32(Net(), ["head"])

@@ -198,6 +198,44 @@ def _unsafe_view() -> None:
     _check("unsafe_view", not out._is_view(), "its result is a view")
 
 
+class _Wrapped(torch.Tensor):
+    __torch_function__ = tc.disabled_torch_function_impl
+    calls: list = []
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "_Wrapped":
+        return tc.make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
+                                        storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                        device=inner.device, requires_grad=False)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(func)
+        leaves = [t for t in tc.tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        args, kwargs = tc.tree_map_only(cls, lambda t: t.inner, (args, kwargs or {}))
+        return func(*args, **kwargs) if leaves else None
+
+
+def _wrapper_subclass() -> None:
+    inner = torch.arange(6.0).reshape(2, 3)
+    wrapped = _Wrapped(inner)
+    _check("make_wrapper_subclass", type(wrapped) is _Wrapped and wrapped.shape == (2, 3)
+           and wrapped.dtype == torch.float32, f"made {type(wrapped).__name__} {wrapped.shape}")
+    _Wrapped.calls.clear()
+    total = torch.add(wrapped, 1.0)  # torch-function disabled: straight to the dispatch
+    _check("disabled_torch_function_impl", _Wrapped.calls == [torch.ops.aten.add.Tensor],
+           f"the dispatch saw {_Wrapped.calls}")
+    _check("tree_map_only", type(total) is torch.Tensor and torch.equal(total, inner + 1.0),
+           "the unwrapped op's result is not the inner tensor's")
+    leaves = tc.tree_leaves(((1, [2]), {"k": 3}))
+    _check("tree_leaves", leaves == [1, 2, 3], f"{leaves} for ((1, [2]), {{'k': 3}})")
+    mapped = tc.tree_map_only(int, lambda v: v * 10, ((1, "a"), {"k": 2}))
+    _check("tree_map_only", mapped == ((10, "a"), {"k": 20}), f"{mapped}")
+
+
 def _group_tensors() -> None:
     a, h, b = torch.ones(2), torch.ones(3, dtype=torch.float16), torch.zeros(2)
     groups = tc.group_tensors_by_device_and_dtype([[a, h, b]], True)
@@ -428,7 +466,9 @@ CHECKS: dict[str, Callable[[], None]] = {
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
-    "unsafe_view": _unsafe_view,
+    "unsafe_view": _unsafe_view, "make_wrapper_subclass": _wrapper_subclass,
+    "disabled_torch_function_impl": _wrapper_subclass, "tree_map_only": _wrapper_subclass,
+    "tree_leaves": _wrapper_subclass,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
     "foreach_copy_": _foreach, "foreach_add_": _foreach, "foreach_mul_": _foreach, "sparse_values": _sparse_values,

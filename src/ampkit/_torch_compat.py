@@ -48,6 +48,8 @@ __all__ = [
     # compile and dispatch modes
     "is_compiling", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     "unsafe_view",
+    # tensor subclasses (fp8 all-gather)
+    "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
@@ -207,6 +209,19 @@ aten_to_copy = _entry("torch.ops.aten._to_copy.default")
 # (tensor, shape): a reshape whose result is not a view, as torch's linear and matmul return
 # theirs (Float8Linear's output: FSDP2 hooks module outputs, which views would lose); 1.0.
 unsafe_view = _entry("torch.ops.aten._unsafe_view.default")
+
+# --- tensor subclasses: fp8/allgather.py's FSDP2 all-gather extension --------------------------
+# (cls, size, strides=, storage_offset=, dtype=, layout=, device=, requires_grad=): a tensor
+# of ``cls`` with that metadata and no storage of its own; the base of every wrapper
+# subclass (torchao's, DTensor's); since 1.12.
+make_wrapper_subclass = _entry("torch.Tensor._make_wrapper_subclass")
+# A subclass's ``__torch_function__`` that turns torch-function dispatch off, so every op
+# goes straight to its ``__torch_dispatch__``; since 1.7.
+disabled_torch_function_impl = _entry("torch._C._disabled_torch_function_impl")
+# (type, fn, tree) / (tree): map the leaves of one type / list the leaves of nested
+# args and kwargs; what every __torch_dispatch__ uses to unwrap; since 2.0.
+tree_map_only = _entry("torch.utils._pytree.tree_map_only")
+tree_leaves = _entry("torch.utils._pytree.tree_leaves")
 
 # --- loss scaling and optimizers (scaler.py, _unscale.py, master.py, frontend/) ---------------
 # {(device, dtype): ([[tensors]], indices)} in one C++ pass over a list of tensor lists; 2.1.

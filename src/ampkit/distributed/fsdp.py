@@ -28,6 +28,7 @@ from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
 from .._torch_compat import fsdp2
 from ..apply import is_sharded
 from ..convert import BATCHNORM_TYPES, cast_model, conversion_of
+from ..fp8.allgather import gather_in_fp8
 from ..policy import Policy, get_policy
 
 if TYPE_CHECKING:  # importing FSDP2 costs about a second: only where it is used
@@ -66,7 +67,7 @@ def fsdp_policy(policy: Union[Policy, str], *,
 
 
 def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["DeviceMesh"] = None,
-          modules: Optional[Modules] = None) -> nn.Module:
+          modules: Optional[Modules] = None, fp8_all_gather: bool = True) -> nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``) per block and at the root, under ``policy``.
 
     Every rank calls it (``fully_shard`` builds the mesh from the process group). Build
@@ -82,6 +83,11 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
             nn.Module subclasses. A match inside another match joins it; a ModuleList or
             ModuleDict stands for its children. None: the children of the first
             non-empty nn.ModuleList in the model; ``[]``: the root group only.
+        fp8_all_gather: the weights of tensorwise ``Float8Linear`` layers are cast to
+            fp8 on each shard (with the scale of the whole weight's amax) and
+            all-gathered in fp8: 1 byte per element instead of 2 or 4, and the same fp8
+            weight the layer casts in one process. Other recipes, and a weight shared
+            with another module, gather in the policy's dtype. False: every weight does.
 
     Returns:
         ``model``, sharded in place (its class becomes an ``FSDPModule`` subclass).
@@ -90,6 +96,8 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
         ValueError: an unknown policy, a pattern that matches no module, a model without
             a ModuleList of blocks and no ``modules``, or an already sharded or
             initialized model; raised before anything changes.
+        TypeError: a model, mesh, ``modules`` item or ``fp8_all_gather`` of the wrong
+            type; raised before anything changes.
 
     Example:
         >>> model = shard(Transformer(), "bf16-mixed")  # doctest: +SKIP
@@ -98,6 +106,9 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
     pol = get_policy(policy)
     _check_model(model)
     _check_mesh(mesh)
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"shard: fp8_all_gather={fp8_all_gather!r} is not a bool; valid: True "
+                        "(tensorwise Float8Linear weights all-gathered in fp8) or False")
     blocks = _select_blocks(model, modules)
     kept = _fp32_units(model, pol)
     api = fsdp2()
@@ -108,6 +119,8 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
         cast_model(model, pol.param_dtype,
                    keep_fp32=BATCHNORM_TYPES if pol.keep_batchnorm_fp32 else (),
                    keep_modules=keep.kept_modules(model))
+    if fp8_all_gather:
+        gather_in_fp8(model)
     for name, fp32 in _ordered_units(blocks, kept):
         # Innermost first: a group made later leaves out the parameters of groups inside it.
         api.fully_shard(model.get_submodule(name), mesh=mesh,

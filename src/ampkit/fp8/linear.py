@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .._dtypes import capability, fp8_supported
 from .._torch_compat import (AfterApply, get_autocast_dtype, is_autocast_enabled, is_compiling,
                              scaled_mm, unsafe_view)
+from .allgather import Fp8GatheredWeight
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
@@ -161,9 +162,11 @@ class _Fp8LinearFn(torch.autograd.Function):
                 native: bool, out_dtype: torch.dtype, warmup: bool, record: bool,
                 h_in: Optional[Tensor], h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
         state = _CastState(config, (h_in, h_w, h_g), warmup, record)
+        gathered = isinstance(weight, Fp8GatheredWeight)
         with torch.autocast(x.device.type, enabled=False):  # our fp32 math stays fp32
             x_q = _cast(x, _INPUT, -1, state)
-            w_q = _cast(weight, _WEIGHT, -1, state)
+            # FSDP2 gathered the weight in fp8 already (tensorwise, same cast: allgather.py).
+            w_q = weight.fp8() if gathered else _cast(weight, _WEIGHT, -1, state)
             out = fp8_mm(x_q, w_q.t(), out_dtype, native, config.output_fast_accum)
         if config.recipe is Recipe.ROWWISE:
             # Backward needs per-column scales of x and W: cast again from high precision.

@@ -1,0 +1,249 @@
+"""FP8 all-gather under FSDP2: Float8Linear weights travel in fp8, not in bf16 or fp32.
+
+A tensorwise Float8Linear casts its whole weight to e4m3 with one scale before every
+matmul. Under FSDP2 that cast can happen on the shards instead, before the all-gather:
+each rank casts its shard with the scale of the *global* amax (one all-reduce of one
+number per weight), and the ranks exchange 1 byte per element instead of 2 (bf16) or 4
+(fp32). The gathered weight is then exactly the fp8 tensor the unsharded layer would
+have cast from the same fp32 values (the cast is elementwise and the scale the same), so
+the layer's matmuls do not change.
+
+Two tensor subclasses carry this through FSDP2's extension points
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``):
+
+- :class:`Fp8ShardedWeight` wraps the high-precision weight a rank keeps (the local
+  tensor of the sharded DTensor parameter, which the optimizer steps). Every op on it
+  runs on the wrapped tensor; the few that FSDP2 uses to lay out and pad shards return
+  the wrapper again, all others a plain tensor, so optimizer state stays plain.
+- :class:`Fp8GatheredWeight` is the all-gathered weight: fp8 data and its inverse
+  scale, presenting the dtype FSDP2 would have gathered (``param_dtype``). A
+  Float8Linear uses its fp8 data as is; any other op sees the dequantized tensor.
+
+Only the tensorwise recipe gathers in fp8: the rowwise recipe scales the weight along
+both of its dimensions (the backward needs the high-precision weight) and the delayed
+recipe pushes the weight's amax into its history once per forward, which a gather
+repeated in the backward would do twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .._torch_compat import (disabled_torch_function_impl, make_wrapper_subclass,
+                             register_state_dict_post_hook, tree_leaves, tree_map_only)
+from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, saturated_cast
+
+aten = torch.ops.aten
+
+# Ops FSDP2 applies to a sharded parameter to pad, slice and lay out its shards (and
+# ``Module.to_empty`` to materialize one from the meta device): their results stay
+# wrapped, so the padded local shard keeps the all-gather hooks. Every other op (the
+# optimizer's arithmetic, zeros_like for its state, clone) returns plain tensors.
+_SHARD_LAYOUT_OPS = frozenset({
+    aten.new_zeros.default, aten.new_empty.default, aten.empty_like.default,
+    aten.slice.Tensor, aten.copy_.default,
+    aten.view.default, aten.as_strided.default, aten.split.Tensor, aten.detach.default,
+    aten.alias.default, aten.narrow.default,
+})
+# Ops that only re-view the gathered fp8 data: applied to it, the scale kept.
+_GATHERED_VIEW_OPS = frozenset({
+    aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default,
+})
+
+
+class Fp8ShardedWeight(Tensor):
+    """A rank's shard of a tensorwise Float8Linear weight that FSDP2 gathers in fp8.
+
+    It behaves as the high-precision tensor it wraps (same shape, dtype and values); only
+    FSDP2's all-gather sees the difference.
+
+    Args:
+        tensor: the high-precision weight (or shard), fp32/bf16/fp16.
+        margin: the layer's ``Float8Config.margin`` (its scale is ``2**margin`` lower).
+    """
+
+    _tensor: Tensor
+    _margin: int
+    __torch_function__ = disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor, margin: int = 0) -> "Fp8ShardedWeight":
+        return make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor, margin: int = 0) -> None:
+        self._tensor = tensor
+        self._margin = margin
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Fp8ShardedWeight({self._tensor!r}, margin={self._margin})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        margins = [t._margin for t in tree_leaves((args, kwargs)) if isinstance(t, cls)]
+        args, kwargs = tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _SHARD_LAYOUT_OPS:
+            return out
+        return tree_map_only(Tensor, lambda t: cls(t, margins[0]), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], int]:
+        return ["_tensor"], self._margin
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], margin: int, outer_size: Any,
+                             outer_stride: Any) -> "Fp8ShardedWeight":
+        return Fp8ShardedWeight(inner["_tensor"], margin)
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Optional[torch.Size] = None,
+                            outer_stride: Any = None, module: Any = None,
+                            mp_policy: Any = None) -> tuple[tuple[Tensor, ...], Tensor]:
+        """FSDP2's hook before the all-gather: this shard in e4m3, scaled by the amax of
+        the whole weight, padded to FSDP2's shard size; the inverse scale rides along as
+        metadata. The data travels as uint8 (fp8's bytes), which every backend gathers.
+        """
+        # FSDP2 shards along the mesh's last dimension (the first holds HSDP's replicas,
+        # which have the same values): the amax of the whole weight is the max over it.
+        group = mesh.get_group(mesh.ndim - 1)
+        local = self._tensor
+        amax = (compute_amax(local) if local.numel()
+                else torch.zeros((), dtype=torch.float32, device=local.device))
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        scale = amax_to_scale(amax, E4M3, self._margin)
+        data = saturated_cast(local, scale, E4M3)
+        if outer_size is not None:
+            rows = -(-outer_size[0] // group.size())  # every shard padded to this many rows
+            if data.shape[0] != rows:
+                padded = data.new_zeros((rows, *data.shape[1:]))
+                padded[: data.shape[0]] = data
+                data = padded
+        return (data.view(torch.uint8),), scale.reciprocal()
+
+    def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], inv_scale: Tensor,
+                             param_dtype: torch.dtype, *,
+                             out: Optional[Tensor] = None) -> Any:
+        """FSDP2's hook after the all-gather: the gathered bytes as an
+        :class:`Fp8GatheredWeight` of ``param_dtype`` (and the buffers FSDP2 frees after
+        use), or, on a later gather into the same buffer (``out``), its new scale."""
+        (data,) = outputs
+        data = data.view(E4M3)
+        if out is not None:  # FSDP2 refilled the same buffer: only the scale is new
+            if not isinstance(out, Fp8GatheredWeight):
+                raise TypeError(f"fsdp_post_all_gather: out is a {type(out).__name__}, "
+                                "expected the Fp8GatheredWeight of the previous gather")
+            out._inv_scale = inv_scale
+            return None
+        return Fp8GatheredWeight(data, inv_scale, param_dtype), (data,)
+
+
+class Fp8GatheredWeight(Tensor):
+    """An all-gathered tensorwise weight: e4m3 data and its fp32 inverse scale.
+
+    It presents ``dtype`` (FSDP2's ``param_dtype``), so autograd gives it gradients of
+    that dtype; ops other than re-views see its dequantized value.
+    """
+
+    _data: Tensor
+    _inv_scale: Tensor
+    __torch_function__ = disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: Tensor, inv_scale: Tensor, dtype: torch.dtype,
+                requires_grad: bool = False) -> "Fp8GatheredWeight":
+        return make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=dtype, device=data.device, requires_grad=requires_grad)
+
+    def __init__(self, data: Tensor, inv_scale: Tensor, dtype: torch.dtype,
+                 requires_grad: bool = False) -> None:
+        self._data = data
+        self._inv_scale = inv_scale
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"inv_scale={self._inv_scale!r})")
+
+    def fp8(self) -> Fp8:
+        """The e4m3 data and inverse scale, as Float8Linear's matmuls take them."""
+        return Fp8(self._data, self._inv_scale)
+
+    def dequantize(self) -> Tensor:
+        return (self._data.float() * self._inv_scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEW_OPS and isinstance(args[0], cls):
+            self = args[0]
+            data = func(self._data, *args[1:], **kwargs)
+            return cls(data, self._inv_scale, self.dtype)
+        args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
+        return ["_data", "_inv_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], dtype: torch.dtype, outer_size: Any,
+                             outer_stride: Any) -> "Fp8GatheredWeight":
+        return Fp8GatheredWeight(inner["_data"], inner["_inv_scale"], dtype)
+
+
+def gather_in_fp8(model: torch.nn.Module) -> list[str]:
+    """Wrap the weight of every tensorwise Float8Linear of ``model`` in an
+    :class:`Fp8ShardedWeight`, before ``fully_shard``; the names of those layers.
+
+    A weight that is also a parameter elsewhere (tied to an embedding, say) stays as it
+    is: the other user would see its fp8 rounding. The Parameter objects are replaced
+    (same values, dtype and ``requires_grad``): build the optimizer afterwards, as
+    sharding requires anyway.
+    """
+    from .config import Recipe  # the config module is light; imported here to stay acyclic
+    from .linear import Float8Linear
+
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Float8Linear) or module.config.recipe is not Recipe.TENSORWISE:
+            continue
+        weight = module.weight
+        if uses[id(weight)] > 1 or isinstance(weight.data, Fp8ShardedWeight):
+            continue
+        module.weight = torch.nn.Parameter(Fp8ShardedWeight(weight.data, module.config.margin),
+                                           requires_grad=weight.requires_grad)
+        register_state_dict_post_hook(module, _plain_weight)
+        names.append(name)
+    return names
+
+
+def unwrap(value: Any) -> Any:
+    """``value`` with an :class:`Fp8ShardedWeight` inside it (as is, or as the local
+    tensor of a DTensor) replaced by the tensor it wraps, sharing its storage."""
+    if isinstance(value, Fp8ShardedWeight):
+        return value._tensor
+    from torch.distributed.tensor import DTensor  # imported already where shards exist
+
+    if not isinstance(value, DTensor):
+        return value
+    with torch.no_grad():
+        local = value.to_local()
+        if not isinstance(local, Fp8ShardedWeight):
+            return value
+        return DTensor.from_local(local._tensor, value.device_mesh, value.placements,
+                                  run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _plain_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                  local_metadata: Any) -> None:
+    # Checkpoints hold plain tensors: they load with or without fp8 all-gather, and
+    # without ampkit (torch.load's weights_only refuses unknown tensor classes).
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = unwrap(state_dict[key])

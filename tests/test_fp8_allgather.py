@@ -1,0 +1,315 @@
+"""FP8 all-gather under FSDP2: ``shard(..., fp8_all_gather=True)`` gathers tensorwise
+Float8Linear weights in fp8.
+
+In-process tests use a one-rank gloo group (the hooks, the bytes and the numerics are
+those of more ranks); one three-process run (slow) covers what needs several ranks: the
+amax of the whole weight, uneven shards, and a DCP resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampkit._torch_compat import TORCH_VERSION
+from ampkit.distributed import TrainState, shard
+from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8
+from ampkit.fp8.allgather import Fp8GatheredWeight, Fp8ShardedWeight
+from ampkit.fp8.scaling import E4M3, quantize
+
+from _dist import free_ports, spawn
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(TORCH_VERSION < (2, 6) and not torch.cuda.is_available(),
+                       reason="FSDP2 on the CPU needs torch 2.6 or later"),
+]
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+class Stack(nn.Module):
+    """Linear layers in a ModuleList and a head, all fp8-eligible."""
+
+    def __init__(self, bias: bool = False, hidden: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(32, hidden, bias=bias),
+                                     nn.Linear(hidden, 32, bias=bias)])
+        self.head = nn.Linear(32, 16, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def _fp8(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
+    return convert_to_fp8(model, recipe=Float8Config(recipe, emulate=True))
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype = F32) -> torch.Tensor:
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + step)).to(dtype)
+
+
+def _train(model: nn.Module, steps: int = 3, rank: int = 0) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = model(_batch(rank, step)).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters, copied (on one rank full_tensor() may be the shard itself)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _gathered_bytes():
+    """The bytes each FSDP2 all-gather sends from this rank, one entry per call."""
+    sent: list[int] = []
+    patches = contextlib.ExitStack()
+    # FSDP2 calls all_gather_single from torch 2.13, all_gather_into_tensor before.
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            def counting(output, tensor, *args, _orig=getattr(dist, name), **kwargs):
+                sent.append(tensor.numel() * tensor.element_size())
+                return _orig(output, tensor, *args, **kwargs)
+            patches.enter_context(pytest.MonkeyPatch.context())
+            patches.callback(setattr, dist, name, getattr(dist, name))
+            setattr(dist, name, counting)
+    with patches:
+        yield sent
+
+
+def _locals(model: nn.Module) -> dict[str, type]:
+    return {name: type(p.to_local()) for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --- one rank -----------------------------------------------------------------------------------
+def _weights_seen(model: nn.Module) -> list:
+    """What each Float8Linear's forward gets as its weight, call by call."""
+    seen: list = []
+    for layer in model.modules():
+        if isinstance(layer, Float8Linear):
+            layer.register_forward_pre_hook(lambda m, args: seen.append(
+                (type(m.weight), m.weight.dtype, getattr(m.weight, "_data", m.weight).dtype)))
+    return seen
+
+
+def test_fp32_policy_trains_bitwise_like_one_process(one_rank):
+    reference = _fp8(Stack())
+    expected = _train(reference)
+    runs = {}
+    for fp8_all_gather in (True, False):
+        model = shard(_fp8(Stack()), "32-true", fp8_all_gather=fp8_all_gather)
+        seen = _weights_seen(model)
+        runs[fp8_all_gather] = (_train(model, steps=3), seen, _full(model), _locals(model))
+    (losses, seen, full, local), (_, seen_hp, full_hp, local_hp) = runs[True], runs[False]
+    assert set(local.values()) == {Fp8ShardedWeight} and set(local_hp.values()) == {torch.Tensor}
+    assert set(seen) == {(Fp8GatheredWeight, F32, E4M3)} and len(seen) == 9
+    assert set(seen_hp) == {(nn.Parameter, F32, F32)}
+    # The fp8 weight gathered is the one the unsharded layer casts: nothing else differs.
+    assert losses == expected
+    assert all(torch.equal(full[k], reference.state_dict()[k]) for k in full)
+    assert all(torch.equal(full[k], full_hp[k]) for k in full)
+
+
+def test_bf16_mixed_hands_the_layer_the_fp8_weight_of_its_fp32_values(one_rank):
+    model = shard(_fp8(Stack()), "bf16-mixed")
+    seen = _weights_seen(model)
+    out = model(_batch(0, 0))
+    out.float().pow(2).mean().backward()
+    assert seen == [(Fp8GatheredWeight, BF16, E4M3)] * 3
+    # bf16 gradients of the gathered weights, reduced into the fp32 shards.
+    assert {p.grad.dtype for p in model.parameters()} == {F32}
+    # The one-process forward of the same fp32 weights on bf16 inputs (FSDP2 casts the
+    # inputs; the weight is cast to fp8 from fp32 in both): bitwise the same output.
+    reference = _fp8(Stack())
+    assert torch.equal(out, reference(_batch(0, 0, BF16)))
+
+
+def test_only_unshared_tensorwise_weights_gather_in_fp8(one_rank):
+    model = Stack(bias=True)
+    model.layers[0] = Float8Linear.from_linear(model.layers[0], Float8Config("delayed", emulate=True))
+    model.layers[1] = Float8Linear.from_linear(model.layers[1], Float8Config("rowwise", emulate=True))
+    model.head = Float8Linear.from_linear(model.head, Float8Config("tensorwise", emulate=True))
+    model.extra = Float8Linear(16, 16, config=Float8Config("tensorwise", emulate=True))
+    model.tied = Float8Linear(16, 16, config=Float8Config("tensorwise", emulate=True))
+    model.tied.weight = model.extra.weight  # shared: the other user would see fp8 rounding
+    shard(model, "bf16-mixed")
+    assert _locals(model) == {
+        "layers.0.weight": torch.Tensor, "layers.0.bias": torch.Tensor,
+        "layers.1.weight": torch.Tensor, "layers.1.bias": torch.Tensor,
+        "head.weight": Fp8ShardedWeight, "head.bias": torch.Tensor,
+        "extra.weight": torch.Tensor, "extra.bias": torch.Tensor, "tied.bias": torch.Tensor}
+    assert all(torch.isfinite(torch.tensor(_train(model, steps=2))))
+
+
+def test_checkpoints_hold_plain_tensors_that_load_either_way(one_rank, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = shard(_fp8(Stack()), "bf16-mixed")
+    _train(model, steps=2)
+    state = model.state_dict()
+    assert {type(v.to_local()) for v in state.values()} == {torch.Tensor}
+    buffer = io.BytesIO()
+    torch.save({k: v.full_tensor() for k, v in state.items()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)  # no ampkit class inside
+    assert all(torch.equal(loaded[k], v) for k, v in _full(model).items())
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    for fp8_all_gather in (False, True):
+        fresh = shard(_fp8(Stack()), "bf16-mixed", fp8_all_gather=fp8_all_gather)
+        target = {"model": fresh.state_dict()}
+        dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+        fresh.load_state_dict(target["model"])
+        assert all(torch.equal(v, _full(model)[k]) for k, v in _full(fresh).items())
+        assert set(_locals(fresh).values()) == {Fp8ShardedWeight if fp8_all_gather else torch.Tensor}
+
+
+def test_meta_init_keeps_fp8_gathers_and_the_optimizer_state_stays_plain(one_rank):
+    with torch.device("meta"):
+        model = _fp8(Stack())
+    shard(model, "bf16-mixed")
+    model.to_empty(device="cpu")
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            layer.reset_parameters()
+    assert set(_locals(model).values()) == {Fp8ShardedWeight}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = _full(model)
+    model(_batch(0, 0)).float().pow(2).mean().backward()
+    optimizer.step()
+    assert set(_locals(model).values()) == {Fp8ShardedWeight}
+    assert not any(torch.equal(before[k], v) for k, v in _full(model).items())
+    kinds = {type(value.to_local()) for state in optimizer.state.values()
+             for key, value in state.items() if key != "step"}
+    assert kinds == {torch.Tensor}
+
+
+# --- the tensor classes on their own ------------------------------------------------------------
+def test_a_sharded_weight_is_its_tensor_for_every_op_but_fsdp2s_layout_ops():
+    inner = torch.randn(4, 3)
+    weight = Fp8ShardedWeight(inner.clone(), margin=1)
+    assert weight.dtype == F32 and weight.shape == (4, 3)
+    assert type(weight * 2) is torch.Tensor and torch.equal(weight * 2, inner * 2)
+    assert type(torch.zeros_like(weight)) is torch.Tensor  # optimizer state stays plain
+    for laid_out in (weight.new_zeros(5, 3), weight[1:3], weight.view(12),
+                     torch.empty_like(weight), weight.detach()):
+        assert type(laid_out) is Fp8ShardedWeight and laid_out._margin == 1
+    weight.add_(1.0)  # in place: the wrapped tensor changes
+    assert torch.equal(weight._tensor, inner + 1.0)
+    assert "Fp8ShardedWeight" in repr(weight)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_gathered_weight_gives_float8linear_the_same_matmuls_as_casting(dtype):
+    torch.manual_seed(0)
+    layer = Float8Linear(32, 16, bias=False, config=Float8Config("tensorwise", emulate=True))
+    x = torch.randn(8, 32, dtype=dtype, requires_grad=True)
+    out = layer(x)
+    out.float().square().sum().backward()
+    q = quantize(layer.weight.detach(), E4M3)
+    gathered = nn.Parameter(Fp8GatheredWeight(q.data, q.inv_scale, dtype))
+    fed = Float8Linear(32, 16, bias=False, config=Float8Config("tensorwise", emulate=True))
+    fed.weight = gathered
+    x2 = x.detach().clone().requires_grad_()
+    out2 = fed(x2)
+    out2.float().square().sum().backward()
+    assert torch.equal(out2, out)
+    assert torch.equal(x2.grad, x.grad)
+    # The weight gradient in the gathered weight's dtype, as FSDP2 expects it.
+    assert type(gathered.grad) is torch.Tensor and gathered.grad.dtype == dtype
+    assert torch.equal(gathered.grad, layer.weight.grad.to(dtype))
+    # Anything but a Float8Linear sees the dequantized weight.
+    assert torch.equal(gathered.detach() + 0, (q.data.float() * q.inv_scale).to(dtype))
+
+
+# --- three processes ----------------------------------------------------------------------------
+def _three_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3)
+    try:
+        result: dict = {"bytes": {}}
+        for policy in ("32-true", "bf16-mixed"):
+            for fp8_all_gather in (True, False):
+                # hidden=80: 80 rows over 3 ranks are uneven shards (27, 27, 26), padded.
+                model = shard(_fp8(Stack(hidden=80)), policy, fp8_all_gather=fp8_all_gather)
+                with _gathered_bytes() as sent:
+                    losses = _train(model, rank=rank)
+                result["bytes"][f"{policy} {fp8_all_gather}"] = sent
+                if policy == "32-true":
+                    params = {k: v.flatten().tolist() for k, v in _full(model).items()}
+                    result[str(fp8_all_gather)] = {"losses": losses, "params": params}
+        # DCP resume with fp8 all-gather: 2 steps, save, 2 more; a fresh run loads and redoes them.
+        model = shard(_fp8(Stack(hidden=80)), "bf16-mixed")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        path = f"{out_dir}/ckpt"
+
+        def steps(model, optimizer, first):
+            losses = []
+            for step in range(first, first + 2):
+                loss = model(_batch(rank, step)).float().pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+        steps(model, optimizer, 0)
+        dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=path)
+        after_save = steps(model, optimizer, 2)
+        model = shard(_fp8(Stack(hidden=80)), "bf16-mixed")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=path)
+        result["dcp"] = [after_save, steps(model, optimizer, 2)]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(f"{out_dir}/rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_three_ranks_gather_uneven_fp8_shards_by_the_whole_weights_amax(tmp_path):
+    spawn(_three_rank_worker, (free_ports(1)[0], str(tmp_path)), 3, 240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for rank in ranks:
+        # One scale for the whole weight (each shard's amax alone would give other fp8
+        # values): bitwise the training of a gather in fp32, on every rank.
+        assert rank["True"] == rank["False"]
+        assert rank["True"]["params"] == ranks[0]["True"]["params"]
+        assert rank["dcp"][0] == rank["dcp"][1]  # the resumed steps, bitwise
+    assert ranks[0]["True"]["losses"] != ranks[1]["True"]["losses"]  # each rank's own data
+    # Every parameter is a Float8Linear weight: 1 byte per element instead of 4 or 2.
+    sent = ranks[0]["bytes"]
+    assert len(sent["32-true True"]) == len(sent["32-true False"]) > 0
+    assert sum(sent["32-true True"]) * 4 == sum(sent["32-true False"])
+    assert sum(sent["bf16-mixed True"]) * 2 == sum(sent["bf16-mixed False"])
+    assert os.path.isdir(tmp_path / "ckpt")
