@@ -112,7 +112,7 @@ def check_plan(nproc: Optional[int], parallel: Optional[str], specs: list[Policy
         raise UsageError(f"--device {device} with --nproc: rank r runs on cuda:r; valid: "
                          "--device cuda")
     if mode is Parallel.FSDP:
-        _check_fsdp(specs, cuda)
+        _check_fsdp(cuda)
     return ParallelPlan(nproc, mode, "nccl" if cuda else "gloo", max(1, usable_cores() // nproc))
 
 
@@ -124,13 +124,7 @@ def _parallel(name: Optional[str]) -> Parallel:
                          f"{', '.join(p.value for p in Parallel)}") from None
 
 
-def _check_fsdp(specs: list[PolicySpec], cuda: bool) -> None:
-    # What the command asks first, then what this torch can do: the same message everywhere.
-    for spec in specs:
-        if spec.fp8_recipe is not None:
-            raise UsageError(f"--parallel fsdp cannot run policy {spec.label!r}: the bench's fp8 "
-                             "layers are not sharded by ampkit.distributed.shard; valid: "
-                             "--parallel ddp for fp8, or policies without fp8 under fsdp")
+def _check_fsdp(cuda: bool) -> None:
     if TORCH_VERSION < (2, 6) and not cuda:
         raise UsageError(f"--parallel fsdp on a CPU needs torch 2.6 or later (FSDP2 in torch "
                          f"{torch.__version__} needs CUDA streams); valid: --parallel ddp")
@@ -318,7 +312,8 @@ def _fsdp_setup(precision: Precision, model: nn.Module,
     # the masters. A model without a ModuleList of blocks is one group at the root.
     from ..distributed import shard
 
-    model = model.to(precision.device)
+    # fp8 policies: Float8Linear layers before sharding; tensorwise weights gather in fp8.
+    model = precision.place(model)
     has_blocks = any(isinstance(m, nn.ModuleList) and len(m) for m in model.modules())
     shard(model, precision.spec.policy, modules=None if has_blocks else [])
     return model, make_optimizer(model.parameters())  # the optimizer over the shards

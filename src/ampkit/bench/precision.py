@@ -54,6 +54,13 @@ class Precision:
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory
               ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model, convert it (fp8, half), and build its optimizer."""
+        model = self.place(model)
+        optimizer = make_optimizer(model.parameters())
+        apply_policy(self.spec.policy, model, optimizer)
+        return model, optimizer
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """The model on the device, its Linear layers in fp8 where the policy asks."""
         model = model.to(self.device)
         if self.spec.fp8_recipe is not None:
             # Emulation asked for explicitly where there is no fp8 hardware: the report
@@ -61,9 +68,7 @@ class Precision:
             emulate = None if fp8_supported(str(self.device)) else True
             model = convert_to_fp8(model, recipe=Float8Config(self.spec.fp8_recipe, emulate=emulate))
             self.fp8_layers = sum(isinstance(m, Float8Linear) for m in model.modules())
-        optimizer = make_optimizer(model.parameters())
-        apply_policy(self.spec.policy, model, optimizer)
-        return model, optimizer
+        return model
 
 
 def adam_eps(policy: Policy) -> float:
