@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ampkit._dtypes import fp8_supported
 from ampkit._torch_compat import TORCH_VERSION
 from ampkit.distributed import TrainState, shard
 from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8
@@ -209,6 +210,42 @@ def test_meta_init_keeps_fp8_gathers_and_the_optimizer_state_stays_plain(one_ran
     kinds = {type(value.to_local()) for state in optimizer.state.values()
              for key, value in state.items() if key != "step"}
     assert kinds == {torch.Tensor}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()
+                         and fp8_supported("cuda")), reason="needs a GPU with fp8 tensor cores")
+def test_on_a_gpu_the_gathered_fp8_weight_feeds_scaled_mm(tmp_path):
+    """One rank over NCCL: FSDP2's gather hooks run as with more ranks, and the layers
+    call torch._scaled_mm on the gathered fp8 weight (its layout: row-major, as cast)."""
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        def native(model: nn.Module) -> nn.Module:
+            model = convert_to_fp8(model.cuda(), recipe=Float8Config("tensorwise", emulate=False))
+            assert all(m.native for m in model.modules() if isinstance(m, Float8Linear))
+            return model
+
+        def batches(step: int) -> torch.Tensor:
+            return _batch(0, step).cuda()
+
+        reference = native(Stack(hidden=64))
+        model = shard(native(Stack(hidden=64)), "32-true")
+        seen = _weights_seen(model)
+        losses = {}
+        for name, net in (("reference", reference), ("sharded", model)):
+            optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+            losses[name] = []
+            for step in range(3):
+                loss = net(batches(step)).float().pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[name].append(loss.item())
+        assert set(seen) == {(Fp8GatheredWeight, F32, E4M3)}
+        torch.testing.assert_close(losses["sharded"], losses["reference"], rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()
 
 
 # --- the tensor classes on their own ------------------------------------------------------------
