@@ -119,7 +119,8 @@ def main(argv: list[str]) -> int:
         mp.spawn(_rank, args=(args.nproc, port, args, out), nprocs=args.nproc)
         with open(out) as src:
             rows = json.load(src)
-    print("| policy | fp8 all-gather | gather MB / step / rank | × without | all-reduces / step | Δloss |")
+    print("| policy | fp8 all-gather | gather MB / step / rank | × without | all-reduces / step "
+          "| max relative Δloss |")
     print("|---|---|---|---|---|---|")
     base: dict[str, Any] = {}
     for row in rows:
@@ -131,7 +132,8 @@ def main(argv: list[str]) -> int:
         row["ratio"], row["loss_dev"] = ratio, dev
         print(f"| {row['policy']} | {'on' if row['fp8_all_gather'] else 'off'} | "
               f"{row['gather_bytes_per_step'] / 1e6:.3f} | {ratio:.3f} | "
-              f"{row['all_reduces_per_step']:.0f} | {dev:.1e} |")
+              f"{row['all_reduces_per_step']:.0f} | "
+              f"{(f'{dev:.1e}' if dev else '0 (bitwise)') if row['fp8_all_gather'] else '–'} |")
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "nproc": args.nproc, "steps": args.steps, "model": "bench GPT, CPU size",
             "device": "cpu (gloo)", "rows": rows}

@@ -23,6 +23,7 @@ from ampkit._dtypes import fp8_supported
 from ampkit._torch_compat import TORCH_VERSION
 from ampkit.distributed import TrainState, shard
 from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8
+from ampkit.fp8 import allgather
 from ampkit.fp8.allgather import Fp8GatheredWeight, Fp8ShardedWeight
 from ampkit.fp8.scaling import E4M3, quantize
 
@@ -170,6 +171,22 @@ def test_only_unshared_tensorwise_weights_gather_in_fp8(one_rank):
     assert all(torch.isfinite(torch.tensor(_train(model, steps=2))))
 
 
+def test_torch_2_5_gathers_in_the_policy_dtype(one_rank, monkeypatch):
+    # Its FSDP2 passes the hooks the mesh alone and refuses them on uneven shards.
+    monkeypatch.setattr(allgather, "TORCH_VERSION", (2, 5))
+    model = shard(_fp8(Stack()), "bf16-mixed")
+    assert set(_locals(model).values()) == {torch.Tensor}
+
+
+def test_a_model_moved_after_sharding_still_gathers_in_fp8(one_rank):
+    model = shard(_fp8(Stack()), "32-true")
+    model.to(torch.float64)
+    assert set(_locals(model).values()) == {Fp8ShardedWeight}
+    seen = _weights_seen(model)
+    model(_batch(0, 0).double()).pow(2).mean().backward()
+    assert set(seen) == {(Fp8GatheredWeight, torch.float64, E4M3)}
+
+
 def test_checkpoints_hold_plain_tensors_that_load_either_way(one_rank, tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -255,9 +272,13 @@ def test_a_sharded_weight_is_its_tensor_for_every_op_but_fsdp2s_layout_ops():
     assert weight.dtype == F32 and weight.shape == (4, 3)
     assert type(weight * 2) is torch.Tensor and torch.equal(weight * 2, inner * 2)
     assert type(torch.zeros_like(weight)) is torch.Tensor  # optimizer state stays plain
+    # What FSDP2 does to shards (and fully_shard's move of a CPU-built model to the
+    # mesh's device, Module.to()/.half() after sharding) keeps the all-gather hooks.
     for laid_out in (weight.new_zeros(5, 3), weight[1:3], weight.view(12),
-                     torch.empty_like(weight), weight.detach()):
+                     torch.empty_like(weight), weight.detach(), weight.to("meta"),
+                     weight.to(torch.float16)):
         assert type(laid_out) is Fp8ShardedWeight and laid_out._margin == 1
+    assert weight.to(torch.float16).dtype == torch.float16
     weight.add_(1.0)  # in place: the wrapped tensor changes
     assert torch.equal(weight._tensor, inner + 1.0)
     assert "Fp8ShardedWeight" in repr(weight)
@@ -282,8 +303,65 @@ def test_a_gathered_weight_gives_float8linear_the_same_matmuls_as_casting(dtype)
     # The weight gradient in the gathered weight's dtype, as FSDP2 expects it.
     assert type(gathered.grad) is torch.Tensor and gathered.grad.dtype == dtype
     assert torch.equal(gathered.grad, layer.weight.grad.to(dtype))
-    # Anything but a Float8Linear sees the dequantized weight.
+    # Anything but a Float8Linear sees the dequantized weight, and cannot write into it
+    # (the write would land in a dequantized copy).
     assert torch.equal(gathered.detach() + 0, (q.data.float() * q.inv_scale).to(dtype))
+    with pytest.raises(RuntimeError, match=r"aten\.mul_\.Tensor would write into an "
+                                           r"all-gathered fp8 weight.*valid: change the sharded"):
+        gathered.detach().mul_(0)
+    # A layer whose recipe is not the one its weight was gathered for refuses it.
+    fed.config = Float8Config("delayed", emulate=True)
+    fed._reset_fp8_state()
+    with pytest.raises(RuntimeError, match=r"recipe=delayed\(16,max\)\) got a weight FSDP2 "
+                                           r"gathered in fp8.*valid: keep the recipe"):
+        fed(x2)
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _Mesh:
+    """A 1-D mesh whose group has ``size`` ranks (the all-reduce is patched away)."""
+
+    ndim = 1
+
+    def __init__(self, size: int) -> None:
+        self.group = _Group(size)
+
+    def get_group(self, dim: int) -> _Group:
+        assert dim == 0
+        return self.group
+
+
+@pytest.mark.parametrize("rows, outer_rows, ranks, padded_rows", [
+    (3, 5, 2, 3),  # 5 rows over 2 ranks: the first rank's 3, not padded
+    (2, 5, 2, 3),  # the short shard: padded with a zero row
+    (0, 2, 4, 1),  # a rank with no rows at all (2 rows over 4 ranks): one zero row
+])
+def test_the_pre_all_gather_hook_pads_short_and_empty_shards(monkeypatch, rows, outer_rows,
+                                                              ranks, padded_rows):
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op, group: reduced.append((t.clone(), op, group)))
+    shard_ = torch.arange(rows * 16, dtype=F32).reshape(rows, 16) - 7.0
+    mesh = _Mesh(ranks)
+    (data,), inv_scale = Fp8ShardedWeight(shard_).fsdp_pre_all_gather(
+        mesh, torch.Size([outer_rows, 16]), (16, 1), None, None)
+    assert data.dtype == torch.uint8 and data.shape == (padded_rows, 16)
+    fp8 = data.view(E4M3)
+    amax = shard_.abs().max() if rows else torch.tensor(0.0)
+    assert len(reduced) == 1 and reduced[0][0] == amax and reduced[0][2] is mesh.group
+    if rows:
+        expected = quantize(shard_, E4M3)  # this rank's own amax: the all-reduce is patched
+        assert torch.equal(inv_scale, expected.inv_scale)
+        assert torch.equal(fp8[:rows].float(), expected.data.float())
+    else:
+        assert inv_scale.item() == 1.0  # nothing to scale: amax 0 gives scale 1
+    assert not fp8[rows:].float().any()  # the padding is zeros
 
 
 # --- three processes ----------------------------------------------------------------------------

@@ -230,6 +230,11 @@ def _wrapper_subclass() -> None:
            f"the dispatch saw {_Wrapped.calls}")
     _check("tree_map_only", type(total) is torch.Tensor and torch.equal(total, inner + 1.0),
            "the unwrapped op's result is not the inner tensor's")
+    aten = torch.ops.aten
+    mutates = [tc.op_mutates(op) for op in (aten.add_.Tensor, aten.copy_.default, aten.add.out,
+                                             aten.add.Tensor, aten.view.default)]
+    _check("op_mutates", mutates == [True, True, True, False, False],
+           f"add_, copy_, add.out, add, view -> {mutates}")
     leaves = tc.tree_leaves(((1, [2]), {"k": 3}))
     _check("tree_leaves", leaves == [1, 2, 3], f"{leaves} for ((1, [2]), {{'k': 3}})")
     mapped = tc.tree_map_only(int, lambda v: v * 10, ((1, "a"), {"k": 2}))
@@ -468,7 +473,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "unsafe_view": _unsafe_view, "make_wrapper_subclass": _wrapper_subclass,
     "disabled_torch_function_impl": _wrapper_subclass, "tree_map_only": _wrapper_subclass,
-    "tree_leaves": _wrapper_subclass,
+    "tree_leaves": _wrapper_subclass, "op_mutates": _wrapper_subclass,
     "group_tensors_by_device_and_dtype": _group_tensors,
     "amp_foreach_non_finite_check_and_unscale_": _unscale, "amp_update_scale_": _update_scale,
     "foreach_copy_": _foreach, "foreach_add_": _foreach, "foreach_mul_": _foreach, "sparse_values": _sparse_values,

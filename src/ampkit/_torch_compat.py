@@ -50,6 +50,7 @@ __all__ = [
     "unsafe_view",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
+    "op_mutates",
     # loss scaling and optimizers
     "group_tensors_by_device_and_dtype", "amp_foreach_non_finite_check_and_unscale_",
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
@@ -222,6 +223,12 @@ disabled_torch_function_impl = _entry("torch._C._disabled_torch_function_impl")
 # args and kwargs; what every __torch_dispatch__ uses to unwrap; since 2.0.
 tree_map_only = _entry("torch.utils._pytree.tree_map_only")
 tree_leaves = _entry("torch.utils._pytree.tree_leaves")
+
+
+def op_mutates(op: Any) -> bool:
+    """Whether an aten OpOverload writes into one of its arguments (``add_``, ``copy_``,
+    ``out=`` forms): ``op._schema.is_mutable``, since 1.13."""
+    return bool(op._schema.is_mutable)
 
 # --- loss scaling and optimizers (scaler.py, _unscale.py, master.py, frontend/) ---------------
 # {(device, dtype): ([[tensors]], indices)} in one C++ pass over a list of tensor lists; 2.1.

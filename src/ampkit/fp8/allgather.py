@@ -32,14 +32,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .._torch_compat import (disabled_torch_function_impl, make_wrapper_subclass,
-                             register_state_dict_post_hook, tree_leaves, tree_map_only)
-from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, saturated_cast
+from .._torch_compat import (TORCH_VERSION, aten_to_copy, disabled_torch_function_impl,
+                             make_wrapper_subclass, op_mutates, register_state_dict_post_hook,
+                             tree_leaves, tree_map_only)
+from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
 
 aten = torch.ops.aten
 
-# Ops FSDP2 applies to a sharded parameter to pad, slice and lay out its shards (and
-# ``Module.to_empty`` to materialize one from the meta device): their results stay
+# Ops FSDP2 applies to a sharded parameter to move, pad, slice and lay out its shards
+# (and ``Module.to_empty`` to materialize one from the meta device): their results stay
 # wrapped, so the padded local shard keeps the all-gather hooks. Every other op (the
 # optimizer's arithmetic, zeros_like for its state, clone) returns plain tensors.
 _SHARD_LAYOUT_OPS = frozenset({
@@ -47,11 +48,20 @@ _SHARD_LAYOUT_OPS = frozenset({
     aten.slice.Tensor, aten.copy_.default,
     aten.view.default, aten.as_strided.default, aten.split.Tensor, aten.detach.default,
     aten.alias.default, aten.narrow.default,
+    # fully_shard moves a CPU-built model's parameters to the mesh's device (.to()), and
+    # Module.to()/.half() after sharding apply it too: the moved shard keeps the hooks.
+    aten_to_copy,
 })
 # Ops that only re-view the gathered fp8 data: applied to it, the scale kept.
 _GATHERED_VIEW_OPS = frozenset({
     aten.as_strided.default, aten.view.default, aten.detach.default, aten.alias.default,
 })
+
+
+# torch 2.5's FSDP2 calls fsdp_pre_all_gather with the mesh alone and refuses the hooks on
+# shards of uneven size on the ranks that hold one (the others then wait for ever):
+# gathers stay in the policy's dtype there.
+FP8_ALL_GATHER_SINCE = (2, 6)
 
 
 class Fp8ShardedWeight(Tensor):
@@ -114,15 +124,15 @@ class Fp8ShardedWeight(Tensor):
         amax = (compute_amax(local) if local.numel()
                 else torch.zeros((), dtype=torch.float32, device=local.device))
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-        scale = amax_to_scale(amax, E4M3, self._margin)
-        data = saturated_cast(local, scale, E4M3)
+        # The layer's own cast (scaling.quantize), with the whole weight's scale.
+        data, inv_scale = quantize(local, E4M3, scale=amax_to_scale(amax, E4M3, self._margin))
         if outer_size is not None:
             rows = -(-outer_size[0] // group.size())  # every shard padded to this many rows
             if data.shape[0] != rows:
                 padded = data.new_zeros((rows, *data.shape[1:]))
                 padded[: data.shape[0]] = data
                 data = padded
-        return (data.view(torch.uint8),), scale.reciprocal()
+        return (data.view(torch.uint8),), inv_scale
 
     def fsdp_post_all_gather(self, outputs: tuple[Tensor, ...], inv_scale: Tensor,
                              param_dtype: torch.dtype, *,
@@ -132,10 +142,16 @@ class Fp8ShardedWeight(Tensor):
         use), or, on a later gather into the same buffer (``out``), its new scale."""
         (data,) = outputs
         data = data.view(E4M3)
-        if out is not None:  # FSDP2 refilled the same buffer: only the scale is new
-            if not isinstance(out, Fp8GatheredWeight):
-                raise TypeError(f"fsdp_post_all_gather: out is a {type(out).__name__}, "
-                                "expected the Fp8GatheredWeight of the previous gather")
+        if out is not None:
+            # FSDP2 refilled the buffer of the previous gather, which ``out`` views: only
+            # the scale is new. A new tensor, not written into the old one: a forward
+            # that saved the old scale for its backward keeps it (it is the same number
+            # while the shard does not change between forward and backward).
+            if not (isinstance(out, Fp8GatheredWeight) and out._data.untyped_storage().data_ptr()
+                    == data.untyped_storage().data_ptr()):
+                raise RuntimeError(f"fsdp_post_all_gather: out is a {type(out).__name__} that "
+                                   "does not view this gather's buffer; expected the "
+                                   "Fp8GatheredWeight of the previous gather into it")
             out._inv_scale = inv_scale
             return None
         return Fp8GatheredWeight(data, inv_scale, param_dtype), (data,)
@@ -173,7 +189,8 @@ class Fp8GatheredWeight(Tensor):
         return Fp8(self._data, self._inv_scale)
 
     def dequantize(self) -> Tensor:
-        return (self._data.float() * self._inv_scale).to(self.dtype)
+        """The value it stands for, in its dtype."""
+        return dequantize(self.fp8(), self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -182,6 +199,11 @@ class Fp8GatheredWeight(Tensor):
             self = args[0]
             data = func(self._data, *args[1:], **kwargs)
             return cls(data, self._inv_scale, self.dtype)
+        if op_mutates(func):
+            # Anything else sees a dequantized copy, where a write would be lost.
+            raise RuntimeError(f"{func} would write into an all-gathered fp8 weight, a copy "
+                               "that FSDP2 frees after use; valid: change the sharded "
+                               "parameter (outside forward/backward, or after reshard())")
         args, kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
@@ -205,6 +227,9 @@ def gather_in_fp8(model: torch.nn.Module) -> list[str]:
     """
     from .config import Recipe  # the config module is light; imported here to stay acyclic
     from .linear import Float8Linear
+
+    if TORCH_VERSION < FP8_ALL_GATHER_SINCE:
+        return []
 
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):

@@ -163,6 +163,11 @@ class _Fp8LinearFn(torch.autograd.Function):
                 h_in: Optional[Tensor], h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
         state = _CastState(config, (h_in, h_w, h_g), warmup, record)
         gathered = isinstance(weight, Fp8GatheredWeight)
+        if gathered and config.recipe is not Recipe.TENSORWISE:
+            raise RuntimeError(f"Float8Linear(recipe={config.short}) got a weight FSDP2 "
+                               "gathered in fp8 with one scale (shard's fp8_all_gather, for "
+                               "tensorwise layers); valid: keep the recipe the layer was "
+                               "sharded with, or shard(..., fp8_all_gather=False)")
         with torch.autocast(x.device.type, enabled=False):  # our fp32 math stays fp32
             x_q = _cast(x, _INPUT, -1, state)
             # FSDP2 gathered the weight in fp8 already (tensorwise, same cast: allgather.py).
