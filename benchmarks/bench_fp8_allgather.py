@@ -9,7 +9,7 @@ gloo ranks, for each policy with the fp8 gathers on and off, and records from ra
   (``all_gather_single``/``all_gather_into_tensor`` inputs), which the device does not
   change; each rank receives ``nproc - 1`` times as much;
 - *all-reduces / step*: collectives ``all_reduce`` issued per step (the fp8 gathers add
-  one of a single float per Float8Linear weight and gather);
+  one per FSDP2 group and gather, of the amaxes of the group's fp8 weights);
 - *Δloss*: the largest relative difference of the loss curve from the run without fp8
   gathers (same seeds and batches).
 

@@ -54,6 +54,23 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+class Pairs(nn.Module):
+    """Blocks of two Linear layers each (one FSDP2 group per block) and a head."""
+
+    def __init__(self, hidden: int = 48) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, hidden, bias=False), nn.ReLU(),
+                                                   nn.Linear(hidden, 32, bias=False))
+                                     for _ in range(2)])
+        self.head = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 def _fp8(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
     return convert_to_fp8(model, recipe=Float8Config(recipe, emulate=True))
 
@@ -138,6 +155,27 @@ def test_fp32_policy_trains_bitwise_like_one_process(one_rank):
     assert losses == expected
     assert all(torch.equal(full[k], reference.state_dict()[k]) for k in full)
     assert all(torch.equal(full[k], full_hp[k]) for k in full)
+
+
+def test_one_all_reduce_of_amaxes_per_group_and_gather(one_rank, monkeypatch):
+    reduced = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        reduced.append(tuple(tensor.shape))
+        return all_reduce(tensor, *args, **kwargs)
+
+    runs = {}
+    for fp8_all_gather in (True, False):
+        model = shard(_fp8(Pairs()), "32-true", fp8_all_gather=fp8_all_gather)
+        monkeypatch.setattr(dist, "all_reduce", counting)
+        runs[fp8_all_gather] = (_train(model, steps=2), _full(model))
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    # Per step: the root (the head) gathered once, first; each block twice (forward,
+    # backward), its 2 amaxes in one all-reduce.
+    assert reduced == [(1,), (2,), (2,), (2,), (2,)] * 2
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
 
 
 def test_bf16_mixed_hands_the_layer_the_fp8_weight_of_its_fp32_values(one_rank):
@@ -375,8 +413,9 @@ def _three_rank_worker(rank: int, port: int, out_dir: str) -> None:
         result: dict = {"bytes": {}}
         for policy in ("32-true", "bf16-mixed"):
             for fp8_all_gather in (True, False):
-                # hidden=80: 80 rows over 3 ranks are uneven shards (27, 27, 26), padded.
-                model = shard(_fp8(Stack(hidden=80)), policy, fp8_all_gather=fp8_all_gather)
+                # hidden=80: 80 rows over 3 ranks are uneven shards (27, 27, 26), padded;
+                # each block's two weights share an all-reduce of their amaxes.
+                model = shard(_fp8(Pairs(hidden=80)), policy, fp8_all_gather=fp8_all_gather)
                 with _gathered_bytes() as sent:
                     losses = _train(model, rank=rank)
                 result["bytes"][f"{policy} {fp8_all_gather}"] = sent

@@ -119,9 +119,10 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
         cast_model(model, pol.param_dtype,
                    keep_fp32=BATCHNORM_TYPES if pol.keep_batchnorm_fp32 else (),
                    keep_modules=keep.kept_modules(model))
+    units = _ordered_units(blocks, kept)
     if fp8_all_gather:
-        gather_in_fp8(model)
-    for name, fp32 in _ordered_units(blocks, kept):
+        gather_in_fp8(model, groups=[name for name, _ in units])
+    for name, fp32 in units:
         # Innermost first: a group made later leaves out the parameters of groups inside it.
         api.fully_shard(model.get_submodule(name), mesh=mesh,
                         mp_policy=fp32_mp if fp32 else half_mp)

@@ -27,14 +27,15 @@ repeated in the backward would do twice.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .._torch_compat import (TORCH_VERSION, aten_to_copy, disabled_torch_function_impl,
                              make_wrapper_subclass, op_mutates, register_state_dict_post_hook,
-                             tree_leaves, tree_map_only)
+                             tensor_version, tree_leaves, tree_map_only)
 from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
 
 aten = torch.ops.aten
@@ -121,9 +122,8 @@ class Fp8ShardedWeight(Tensor):
         # which have the same values): the amax of the whole weight is the max over it.
         group = mesh.get_group(mesh.ndim - 1)
         local = self._tensor
-        amax = (compute_amax(local) if local.numel()
-                else torch.zeros((), dtype=torch.float32, device=local.device))
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        batch = _BATCHES.get(module) if module is not None else None
+        amax = batch.amax(module, local, group) if batch is not None else _global_amaxes([local], group)[0]
         # The layer's own cast (scaling.quantize), with the whole weight's scale.
         data, inv_scale = quantize(local, E4M3, scale=amax_to_scale(amax, E4M3, self._margin))
         if outer_size is not None:
@@ -155,6 +155,62 @@ class Fp8ShardedWeight(Tensor):
             out._inv_scale = inv_scale
             return None
         return Fp8GatheredWeight(data, inv_scale, param_dtype), (data,)
+
+
+def _global_amaxes(shards: list[Tensor], group: Any) -> list[Tensor]:
+    """The amax of each whole weight from its shards on every rank: one all-reduce."""
+    amaxes = torch.stack([compute_amax(t) if t.numel() else
+                          torch.zeros((), dtype=torch.float32, device=t.device) for t in shards])
+    torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    return list(amaxes.unbind())
+
+
+class _AmaxBatch:
+    """The tensorwise fp8 weights of one FSDP2 group: FSDP2 gathers them together, calling
+    each one's pre-all-gather hook in turn, and the first call reduces the amaxes of all of
+    them in one all-reduce (one per group and gather instead of one per weight).
+
+    Every rank calls the hooks in the same order and sees the same shards change (the
+    optimizer's in-place steps), so every rank starts a new reduction at the same call: a
+    weight's amax is reused only by its own hook, once, and only while its shard is the one
+    reduced (same tensor, same autograd version).
+    """
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = [weakref.ref(module) for module in modules]
+        self.ready: dict[int, tuple[int, int, Tensor]] = {}  # id(layer) -> (state, amax)
+
+    def amax(self, module: torch.nn.Module, local: Tensor, group: Any) -> Tensor:
+        ready = self.ready.pop(id(module), None)
+        if ready is not None and ready[:2] == _state(local):
+            return ready[2]
+        shards = [_shard_of(ref()) for ref in self.modules]
+        if any(shard is None for shard in shards):  # a member not sharded now: on its own
+            self.ready.clear()
+            return _global_amaxes([local], group)[0]
+        amaxes = _global_amaxes(shards, group)  # type: ignore[arg-type]
+        self.ready = {id(ref()): (*_state(shard), amax)  # type: ignore[arg-type]
+                      for ref, shard, amax in zip(self.modules, shards, amaxes)}
+        return self.ready.pop(id(module))[2]
+
+
+def _state(shard: Tensor) -> tuple[int, int]:
+    """Which shard, and how often written in place: its memory (the hook and the module's
+    parameter hold different views of it) and its autograd version."""
+    return shard.data_ptr(), tensor_version(shard)
+
+
+def _shard_of(module: Optional[torch.nn.Module]) -> Optional[Tensor]:
+    """The high-precision shard a sharded Float8Linear's weight wraps, None otherwise."""
+    weight = getattr(module, "weight", None)
+    to_local = getattr(weight, "to_local", None)  # a DTensor: FSDP2's sharded parameter
+    local = to_local() if to_local is not None else None
+    return local._tensor if isinstance(local, Fp8ShardedWeight) else None
+
+
+# The batch of each layer whose weight gathers in fp8 (gather_in_fp8); weak keys: the
+# layers' lifetimes are the model's.
+_BATCHES: "weakref.WeakKeyDictionary[torch.nn.Module, _AmaxBatch]" = weakref.WeakKeyDictionary()
 
 
 class Fp8GatheredWeight(Tensor):
@@ -216,9 +272,12 @@ class Fp8GatheredWeight(Tensor):
         return Fp8GatheredWeight(inner["_data"], inner["_inv_scale"], dtype)
 
 
-def gather_in_fp8(model: torch.nn.Module) -> list[str]:
+def gather_in_fp8(model: torch.nn.Module, groups: Sequence[str] = ()) -> list[str]:
     """Wrap the weight of every tensorwise Float8Linear of ``model`` in an
     :class:`Fp8ShardedWeight`, before ``fully_shard``; the names of those layers.
+
+    ``groups``: the names of the modules that become FSDP2 groups (the root is one too);
+    the weights of one group share one all-reduce of their amaxes per gather.
 
     A weight that is also a parameter elsewhere (tied to an embedding, say) stays as it
     is: the other user would see its fp8 rounding. The Parameter objects are replaced
@@ -245,6 +304,14 @@ def gather_in_fp8(model: torch.nn.Module) -> list[str]:
                                            requires_grad=weight.requires_grad)
         register_state_dict_post_hook(module, _plain_weight)
         names.append(name)
+    by_group: dict[str, list[torch.nn.Module]] = {}
+    for name in names:  # each layer in the innermost group holding it
+        inside = [g for g in groups if name == g or name.startswith(g + ".")]
+        by_group.setdefault(max(inside, key=len, default=""), []).append(model.get_submodule(name))
+    for members in by_group.values():
+        batch = _AmaxBatch(members)
+        for member in members:
+            _BATCHES[member] = batch
     return names
 
 
