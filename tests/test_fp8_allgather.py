@@ -247,6 +247,37 @@ def test_checkpoints_hold_plain_tensors_that_load_either_way(one_rank, tmp_path)
         assert set(_locals(fresh).values()) == {Fp8ShardedWeight if fp8_all_gather else torch.Tensor}
 
 
+@pytest.mark.parametrize("first_forward", [False, True])
+def test_an_assigning_load_keeps_fp8_gathers_and_the_loaded_weights(one_rank, first_forward):
+    """load_state_dict(assign=True), as torch's set_model_state_dict does into a meta
+    model: the loaded tensors become the parameters. After a first gather, FSDP2 reuses
+    its fp8 buffers: a plain parameter then gathered the wrong values (one rank) or
+    crashed (several)."""
+    results = {}
+    for assign in (True, False):
+        source = shard(_fp8(Stack()), "32-true", fp8_all_gather=False)
+        _train(source, steps=1)  # other weights than a fresh Stack's
+        model = shard(_fp8(Stack()), "32-true")
+        if first_forward:
+            model(_batch(0, 9)).sum().backward()
+            model.zero_grad()
+        model.load_state_dict(source.state_dict(), assign=assign)
+        assert set(_locals(model).values()) == {Fp8ShardedWeight}
+        assert all(torch.equal(v, _full(source)[k]) for k, v in _full(model).items())
+        seen = _weights_seen(model)
+        results[assign] = (model(_batch(0, 0)), _train(model, steps=2))
+        assert set(seen) == {(Fp8GatheredWeight, F32, E4M3)}
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1] == results[False][1]
+
+
+def test_a_layer_used_in_two_places_gathers_in_fp8(one_rank):
+    model = Stack()
+    model.layers[1] = model.layers[0]  # one layer, two slots: its weight is its own
+    model = shard(_fp8(model), "bf16-mixed", modules=[])
+    assert set(_locals(model).values()) == {Fp8ShardedWeight}
+
+
 def test_meta_init_keeps_fp8_gathers_and_the_optimizer_state_stays_plain(one_rank):
     with torch.device("meta"):
         model = _fp8(Stack())
@@ -320,6 +351,15 @@ def test_a_sharded_weight_is_its_tensor_for_every_op_but_fsdp2s_layout_ops():
     weight.add_(1.0)  # in place: the wrapped tensor changes
     assert torch.equal(weight._tensor, inner + 1.0)
     assert "Fp8ShardedWeight" in repr(weight)
+    # What torch refuses for subclasses is the wrapped tensor's: values, and pickling as a
+    # plain tensor that torch.load(weights_only=True) reads.
+    assert weight.tolist() == (inner + 1.0).tolist()
+    assert (weight.numpy() == (inner + 1.0).numpy()).all()
+    buffer = io.BytesIO()
+    torch.save(weight, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, inner + 1.0)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import (TORCH_VERSION, aten_to_copy, disabled_torch_function_impl,
-                             make_wrapper_subclass, op_mutates, register_state_dict_post_hook,
+                             local_parameters, make_wrapper_subclass, op_mutates,
+                             register_load_state_dict_pre_hook, register_state_dict_post_hook,
                              tensor_version, tree_leaves, tree_map_only)
 from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
 
@@ -102,6 +103,18 @@ class Fp8ShardedWeight(Tensor):
         if func not in _SHARD_LAYOUT_OPS:
             return out
         return tree_map_only(Tensor, lambda t: cls(t, margins[0]), out)
+
+    # What torch refuses for tensor subclasses, done by the tensor it wraps: a plain
+    # tensor's values, and pickling (torch.save) as that plain tensor, which
+    # torch.load(weights_only=True) reads without ampkit.
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self._tensor.tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        return self._tensor.numpy(force=force)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self._tensor.__reduce_ex__(protocol)
 
     def __tensor_flatten__(self) -> tuple[list[str], int]:
         return ["_tensor"], self._margin
@@ -290,19 +303,22 @@ def gather_in_fp8(model: torch.nn.Module, groups: Sequence[str] = ()) -> list[st
     if TORCH_VERSION < FP8_ALL_GATHER_SINCE:
         return []
 
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
+    owners: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules holding it
+    for module in model.modules():
+        for param in local_parameters(module).values():
+            if param is not None:
+                owners.setdefault(id(param), set()).add(id(module))
     names = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # a layer used in two places: once
         if not isinstance(module, Float8Linear) or module.config.recipe is not Recipe.TENSORWISE:
             continue
         weight = module.weight
-        if uses[id(weight)] > 1 or isinstance(weight.data, Fp8ShardedWeight):
+        if owners[id(weight)] != {id(module)} or isinstance(weight.data, Fp8ShardedWeight):
             continue
         module.weight = torch.nn.Parameter(Fp8ShardedWeight(weight.data, module.config.margin),
                                            requires_grad=weight.requires_grad)
         register_state_dict_post_hook(module, _plain_weight)
+        register_load_state_dict_pre_hook(module, _wrapped_weight)
         names.append(name)
     by_group: dict[str, list[torch.nn.Module]] = {}
     for name in names:  # each layer in the innermost group holding it
@@ -330,6 +346,28 @@ def unwrap(value: Any) -> Any:
             return value
         return DTensor.from_local(local._tensor, value.device_mesh, value.placements,
                                   run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _wrapped_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                    *args: Any) -> None:
+    # load_state_dict(assign=True) (torch's set_model_state_dict loading into a meta
+    # model, for one) makes the loaded tensor the parameter: wrapped again, it keeps the
+    # gather hooks FSDP2 has set itself up for (a plain one would gather in the policy's
+    # dtype into buffers laid out for fp8 bytes). A copying load writes through it.
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    to_local = getattr(value, "to_local", None)  # a DTensor: a sharded state dict's entry
+    if to_local is None:
+        return
+    with torch.no_grad():
+        local = to_local()
+        if isinstance(local, Fp8ShardedWeight):
+            return
+        from torch.distributed.tensor import DTensor
+
+        state_dict[key] = DTensor.from_local(
+            Fp8ShardedWeight(local, module.config.margin), value.device_mesh, value.placements,
+            run_check=False, shape=value.shape, stride=value.stride())
 
 
 def _plain_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
