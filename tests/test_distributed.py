@@ -74,20 +74,6 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo group for the test, torn down after it.
-
-    No gc.collect() first (0.2 s a test): FSDP2 on CPU leaves no thread or pending
-    collective behind, unlike a DDP reducer, so the group can go before the model.
-    """
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _fsdp_modules(model: nn.Module) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 

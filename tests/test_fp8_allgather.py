@@ -13,6 +13,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -79,10 +80,12 @@ def _batch(rank: int, step: int, dtype: torch.dtype = F32) -> torch.Tensor:
     return torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * rank + step)).to(dtype)
 
 
-def _train(model: nn.Module, steps: int = 3, rank: int = 0) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _train(model: nn.Module, steps: int = 3, rank: int = 0, first: int = 0,
+           optimizer: Optional[torch.optim.Optimizer] = None) -> list[float]:
+    """``steps`` AdamW steps (a new AdamW unless given) on this rank's batches from ``first``."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         loss = model(_batch(rank, step)).float().pow(2).mean()
         loss.backward()
         optimizer.step()
@@ -117,15 +120,6 @@ def _gathered_bytes():
 
 def _locals(model: nn.Module) -> dict[str, type]:
     return {name: type(p.to_local()) for name, p in model.named_parameters()}
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # --- one rank -----------------------------------------------------------------------------------
@@ -466,24 +460,13 @@ def _three_rank_worker(rank: int, port: int, out_dir: str) -> None:
         model = shard(_fp8(Stack(hidden=80)), "bf16-mixed")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         path = f"{out_dir}/ckpt"
-
-        def steps(model, optimizer, first):
-            losses = []
-            for step in range(first, first + 2):
-                loss = model(_batch(rank, step)).float().pow(2).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                losses.append(loss.item())
-            return losses
-
-        steps(model, optimizer, 0)
+        _train(model, 2, rank, optimizer=optimizer)
         dcp.save({"train": TrainState(model, optimizer)}, checkpoint_id=path)
-        after_save = steps(model, optimizer, 2)
+        after_save = _train(model, 2, rank, first=2, optimizer=optimizer)
         model = shard(_fp8(Stack(hidden=80)), "bf16-mixed")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dcp.load({"train": TrainState(model, optimizer)}, checkpoint_id=path)
-        result["dcp"] = [after_save, steps(model, optimizer, 2)]
+        result["dcp"] = [after_save, _train(model, 2, rank, first=2, optimizer=optimizer)]
         dist.barrier()
     finally:
         dist.destroy_process_group()
