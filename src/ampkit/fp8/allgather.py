@@ -2,9 +2,9 @@
 
 A tensorwise Float8Linear casts its whole weight to e4m3 with one scale before every
 matmul. Under FSDP2 that cast can happen on the shards instead, before the all-gather:
-each rank casts its shard with the scale of the *global* amax (one all-reduce of one
-number per weight), and the ranks exchange 1 byte per element instead of 2 (bf16) or 4
-(fp32). The gathered weight is then exactly the fp8 tensor the unsharded layer would
+each rank casts its shard with the scale of the *global* amax (one all-reduce of the
+amaxes of an FSDP2 group's fp8 weights per gather), and the ranks exchange 1 byte per
+element instead of 2 (bf16) or 4 (fp32). The gathered weight is then exactly the fp8 tensor the unsharded layer would
 have cast from the same fp32 values (the cast is elementwise and the scale the same), so
 the layer's matmuls do not change.
 
