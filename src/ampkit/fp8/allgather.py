@@ -36,7 +36,7 @@ from torch import Tensor
 from .._torch_compat import (TORCH_VERSION, aten_to_copy, disabled_torch_function_impl,
                              local_parameters, make_wrapper_subclass, op_mutates,
                              register_load_state_dict_pre_hook, register_state_dict_post_hook,
-                             tensor_version, tree_leaves, tree_map_only)
+                             tree_leaves, tree_map_only)
 from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
 
 aten = torch.ops.aten
@@ -179,38 +179,31 @@ def _global_amaxes(shards: list[Tensor], group: Any) -> list[Tensor]:
 
 
 class _AmaxBatch:
-    """The tensorwise fp8 weights of one FSDP2 group: FSDP2 gathers them together, calling
-    each one's pre-all-gather hook in turn, and the first call reduces the amaxes of all of
-    them in one all-reduce (one per group and gather instead of one per weight).
+    """The tensorwise fp8 weights of one FSDP2 group: one all-reduce for all their amaxes
+    per gather instead of one per weight.
 
-    Every rank calls the hooks in the same order and sees the same shards change (the
-    optimizer's in-place steps), so every rank starts a new reduction at the same call: a
-    weight's amax is reused only by its own hook, once, and only while its shard is the one
-    reduced (same tensor, same autograd version).
+    FSDP2 gathers a group's parameters together, calling their pre-all-gather hooks one
+    after another before the one all-gather (``_get_param_all_gather_inputs``): the first
+    hook called reduces every member's amax, and each of the others takes its own once,
+    so the reduced amaxes never outlive that gather. Every rank calls the hooks in the
+    same order, so every rank reduces at the same call.
     """
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.modules = [weakref.ref(module) for module in modules]
-        self.ready: dict[int, tuple[int, int, Tensor]] = {}  # id(layer) -> (state, amax)
+        self.ready: dict[int, Tensor] = {}  # id(layer) -> its amax, until its hook takes it
 
     def amax(self, module: torch.nn.Module, local: Tensor, group: Any) -> Tensor:
         ready = self.ready.pop(id(module), None)
-        if ready is not None and ready[:2] == _state(local):
-            return ready[2]
+        if ready is not None:
+            return ready
         shards = [_shard_of(ref()) for ref in self.modules]
         if any(shard is None for shard in shards):  # a member not sharded now: on its own
-            self.ready.clear()
+            self.ready = {}
             return _global_amaxes([local], group)[0]
         amaxes = _global_amaxes(shards, group)  # type: ignore[arg-type]
-        self.ready = {id(ref()): (*_state(shard), amax)  # type: ignore[arg-type]
-                      for ref, shard, amax in zip(self.modules, shards, amaxes)}
-        return self.ready.pop(id(module))[2]
-
-
-def _state(shard: Tensor) -> tuple[int, int]:
-    """Which shard, and how often written in place: its memory (the hook and the module's
-    parameter hold different views of it) and its autograd version."""
-    return shard.data_ptr(), tensor_version(shard)
+        self.ready = {id(ref()): amax for ref, amax in zip(self.modules, amaxes)}
+        return self.ready.pop(id(module))
 
 
 def _shard_of(module: Optional[torch.nn.Module]) -> Optional[Tensor]:
@@ -285,12 +278,13 @@ class Fp8GatheredWeight(Tensor):
         return Fp8GatheredWeight(inner["_data"], inner["_inv_scale"], dtype)
 
 
-def gather_in_fp8(model: torch.nn.Module, groups: Sequence[str] = ()) -> list[str]:
+def gather_in_fp8(model: torch.nn.Module, groups: Optional[Sequence[str]] = None) -> list[str]:
     """Wrap the weight of every tensorwise Float8Linear of ``model`` in an
     :class:`Fp8ShardedWeight`, before ``fully_shard``; the names of those layers.
 
-    ``groups``: the names of the modules that become FSDP2 groups (the root is one too);
-    the weights of one group share one all-reduce of their amaxes per gather.
+    ``groups``: the names of the modules that become FSDP2 groups (the root is one too),
+    exactly as ``fully_shard`` will be applied: the weights of one group then share one
+    all-reduce of their amaxes per gather. None: each weight reduces its own.
 
     A weight that is also a parameter elsewhere (tied to an embedding, say) stays as it
     is: the other user would see its fp8 rounding. The Parameter objects are replaced
@@ -320,6 +314,8 @@ def gather_in_fp8(model: torch.nn.Module, groups: Sequence[str] = ()) -> list[st
         register_state_dict_post_hook(module, _plain_weight)
         register_load_state_dict_pre_hook(module, _wrapped_weight)
         names.append(name)
+    if groups is None:
+        return names
     by_group: dict[str, list[torch.nn.Module]] = {}
     for name in names:  # each layer in the innermost group holding it
         inside = [g for g in groups if name == g or name.startswith(g + ".")]
