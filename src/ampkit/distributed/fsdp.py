@@ -86,8 +86,9 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
         fp8_all_gather: the weights of tensorwise ``Float8Linear`` layers are cast to
             fp8 on each shard (with the scale of the whole weight's amax) and
             all-gathered in fp8: 1 byte per element instead of 2 or 4, and the same fp8
-            weight the layer casts in one process. Other recipes, and a weight shared
-            with another module, gather in the policy's dtype. False: every weight does.
+            weight the layer casts in one process (torch 2.6 or later). Other recipes,
+            and a weight shared with another module, gather in the policy's dtype.
+            False: every weight does. docs/distributed.md, "FP8 all-gather".
 
     Returns:
         ``model``, sharded in place (its class becomes an ``FSDPModule`` subclass).
