@@ -208,9 +208,7 @@ class _AmaxBatch:
 
 def _shard_of(module: Optional[torch.nn.Module]) -> Optional[Tensor]:
     """The high-precision shard a sharded Float8Linear's weight wraps, None otherwise."""
-    weight = getattr(module, "weight", None)
-    to_local = getattr(weight, "to_local", None)  # a DTensor: FSDP2's sharded parameter
-    local = to_local() if to_local is not None else None
+    local = _dtensor_local(getattr(module, "weight", None))  # FSDP2's sharded parameter
     return local._tensor if isinstance(local, Fp8ShardedWeight) else None
 
 
@@ -332,16 +330,26 @@ def unwrap(value: Any) -> Any:
     tensor of a DTensor) replaced by the tensor it wraps, sharing its storage."""
     if isinstance(value, Fp8ShardedWeight):
         return value._tensor
+    local = _dtensor_local(value)
+    return _with_local(value, local._tensor) if isinstance(local, Fp8ShardedWeight) else value
+
+
+def _dtensor_local(value: Any) -> Optional[Tensor]:
+    """A DTensor's local tensor (FSDP2's shard), None for anything else."""
+    to_local = getattr(value, "to_local", None)
+    if to_local is None:
+        return None
+    with torch.no_grad():
+        return to_local()
+
+
+def _with_local(value: Any, local: Tensor) -> Tensor:
+    """The DTensor ``value`` (same mesh, placements, shape) over another local tensor."""
     from torch.distributed.tensor import DTensor  # imported already where shards exist
 
-    if not isinstance(value, DTensor):
-        return value
     with torch.no_grad():
-        local = value.to_local()
-        if not isinstance(local, Fp8ShardedWeight):
-            return value
-        return DTensor.from_local(local._tensor, value.device_mesh, value.placements,
-                                  run_check=False, shape=value.shape, stride=value.stride())
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
 
 
 def _wrapped_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -351,19 +359,9 @@ def _wrapped_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix:
     # gather hooks FSDP2 has set itself up for (a plain one would gather in the policy's
     # dtype into buffers laid out for fp8 bytes). A copying load writes through it.
     key = prefix + "weight"
-    value = state_dict.get(key)
-    to_local = getattr(value, "to_local", None)  # a DTensor: a sharded state dict's entry
-    if to_local is None:
-        return
-    with torch.no_grad():
-        local = to_local()
-        if isinstance(local, Fp8ShardedWeight):
-            return
-        from torch.distributed.tensor import DTensor
-
-        state_dict[key] = DTensor.from_local(
-            Fp8ShardedWeight(local, module.config.margin), value.device_mesh, value.placements,
-            run_check=False, shape=value.shape, stride=value.stride())
+    local = _dtensor_local(state_dict.get(key))
+    if local is not None and not isinstance(local, Fp8ShardedWeight):
+        state_dict[key] = _with_local(state_dict[key], Fp8ShardedWeight(local, module.config.margin))
 
 
 def _plain_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
