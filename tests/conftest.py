@@ -87,7 +87,7 @@ def _restore_torch_autocast() -> list[str]:
 def _reset_ampkit() -> list[str]:
     """Put every process-global of ampkit back to its import-time value; say what leaked."""
     from ampkit import _state, master, optim, overrides, scaler
-    from ampkit.fp8 import linear as fp8_linear
+    from ampkit import _warn
 
     autocast = importlib.import_module("ampkit.autocast")  # ampkit.autocast is the class
 
@@ -106,7 +106,7 @@ def _reset_ampkit() -> list[str]:
     autocast._RESOLVED.clear()
     autocast._CHECKED_DEVICES.clear()
     scaler._TAKES_GRAD_SCALER.clear()
-    fp8_linear._emulation_warned.clear()
+    _warn.forget()
     _clear_lru_caches()
     return leaks
 

@@ -14,6 +14,7 @@ from torch import nn
 from conftest import DEVICES, HALF_DTYPES
 from ampkit.fp8 import AmaxComputeAlgo, Float8Config, Float8Linear, Recipe
 from ampkit.fp8 import linear as fp8_linear
+from ampkit import _warn
 from ampkit.fp8.scaling import (E4M3, E5M2, Fp8, amax_to_scale, compute_amax, dequantize,
                                 fp8_max, history_amax, quantize, quantize_delayed,
                                 saturated_cast, update_history)
@@ -500,12 +501,12 @@ def test_from_linear_shares_parameters():
 
 
 def test_emulation_warns_once_per_device_type(monkeypatch):
-    monkeypatch.setattr(fp8_linear, "_emulation_warned", set())
+    _warn.forget()
     with pytest.warns(UserWarning, match=r"no fp8 tensor cores on 'cpu'; Float8Linear emulates") as rec:
         Float8Linear(32, 16)(torch.randn(2, 32))
         Float8Linear(32, 16)(torch.randn(2, 32))
     assert len([w for w in rec if "fp8 tensor cores" in str(w.message)]) == 1
-    monkeypatch.setattr(fp8_linear, "_emulation_warned", set())
+    _warn.forget()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Float8Linear(32, 16, config=Float8Config(emulate=True))(torch.randn(2, 32))

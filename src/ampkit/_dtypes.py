@@ -193,6 +193,15 @@ def _cpu_flags() -> dict:
     return _torch_compat.cpu_capabilities()  # {} where torch cannot say: no half hardware assumed
 
 
+def autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a low-precision-listed op (a matmul, attention) returns for input ``x``: the
+    autocast dtype inside an autocast region of x's device, else x's own dtype."""
+    device_type = x.device.type
+    if _torch_compat.is_autocast_enabled(device_type):
+        return _torch_compat.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def fp8_supported(device: Optional[str] = None) -> bool:
     """True when the device has fp8 tensor cores that ``torch._scaled_mm`` can use."""
     dev = torch.device(device or default_device_type())

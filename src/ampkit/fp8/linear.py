@@ -12,25 +12,20 @@ The high-precision weight stays the nn.Parameter; fp8 copies live only inside a 
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from .._dtypes import capability, fp8_supported
-from .._torch_compat import (AfterApply, get_autocast_dtype, is_autocast_enabled, is_compiling,
-                             scaled_mm, unsafe_view)
+from .._dtypes import autocast_output_dtype, capability, fp8_supported
+from .._torch_compat import AfterApply, is_compiling, scaled_mm, unsafe_view
+from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 _ROLE_NAMES = ("input", "weight", "grad_output")
-_emulation_warned: set = set()
-_INTERNAL = (os.path.join("ampkit", ""), os.path.join("torch", "nn", ""))
 
 
 def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
@@ -208,14 +203,6 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None
 
 
-def _output_dtype(x: Tensor) -> torch.dtype:
-    """The autocast dtype inside an autocast region of x's device, else x's dtype."""
-    device_type = x.device.type
-    if is_autocast_enabled(device_type):
-        return get_autocast_dtype(device_type)
-    return x.dtype
-
-
 def _check_history(value: Any, like: Tensor, where: str) -> None:
     """Raise unless ``value`` could be an amax history like ``like``."""
     valid = (f"valid: a {like.dtype} tensor of shape {tuple(like.shape)} (amax_history_len="
@@ -235,21 +222,13 @@ def _check_history(value: Any, like: Tensor, where: str) -> None:
 
 
 def _warn_emulation_once(device: torch.device) -> None:
-    if device.type in _emulation_warned or device.type == "meta":
+    if device.type == "meta":
         return
-    _emulation_warned.add(device.type)
-    warnings.warn(f"ampkit.fp8: no fp8 tensor cores on {device.type!r}; Float8Linear emulates "
-                  "fp8 matmuls there (same numerics, no speed-up). Pass "
-                  "convert_to_fp8(model, recipe=Float8Config(\"tensorwise\", emulate=True)) "
-                  "to silence this.", stacklevel=_caller_stacklevel())
-
-
-def _caller_stacklevel() -> int:
-    """The warnings stacklevel of the first frame outside ampkit and torch.nn."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
+    warn_once(("fp8-linear-emulation", device.type),
+              f"ampkit.fp8: no fp8 tensor cores on {device.type!r}; Float8Linear emulates "
+              "fp8 matmuls there (same numerics, no speed-up). Pass "
+              "convert_to_fp8(model, recipe=Float8Config(\"tensorwise\", emulate=True)) "
+              "to silence this.")
 
 
 class Float8Linear(AfterApply, nn.Linear):
@@ -382,13 +361,13 @@ class Float8Linear(AfterApply, nn.Linear):
                              f"{self.in_features}, got shape {tuple(x.shape)}")
         native = self._use_scaled_mm()
         if x.numel() == 0:  # no amax of an empty batch; nothing to multiply either
-            dtype = _output_dtype(x)
+            dtype = autocast_output_dtype(x)
             bias = None if self.bias is None else self.bias.to(dtype)
             return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, tuple(x.shape[:-1]),
-                                 self.config, native, _output_dtype(x), self._warmup_step(),
+                                 self.config, native, autocast_output_dtype(x), self._warmup_step(),
                                  torch.is_grad_enabled(), *histories)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

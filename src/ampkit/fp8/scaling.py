@@ -11,7 +11,7 @@ contraction dimension: ``(M, 1)`` for a left operand, ``(1, N)`` for a right one
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -50,8 +50,8 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def compute_amax(x: Tensor, dim: Optional[int] = None) -> Tensor:
-    """The fp32 absolute maximum of ``x``: 0-dim, or ``keepdim`` over ``dim``.
+def compute_amax(x: Tensor, dim: Optional[Union[int, tuple[int, ...]]] = None) -> Tensor:
+    """The fp32 absolute maximum of ``x``: 0-dim, or ``keepdim`` over ``dim`` (one or more).
 
     Example:
         >>> compute_amax(torch.tensor([[1., -3.], [2., 0.]]), dim=1).flatten().tolist()

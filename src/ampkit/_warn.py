@@ -1,0 +1,37 @@
+"""Warnings given once per process and key, attributed to the user's own line.
+
+The one set of keys already warned about is the only state here; the test fixture
+empties it with :func:`forget`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Hashable
+
+_INTERNAL = (os.path.join("ampkit", ""), os.path.join("torch", "nn", ""),
+             os.path.join("torch", "overrides"))
+_given: set = set()
+
+
+def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn ``message`` unless a warning with ``key`` was given before in this process."""
+    if key in _given:
+        return
+    _given.add(key)
+    warnings.warn(message, category, stacklevel=_caller_stacklevel())
+
+
+def forget() -> None:
+    """Warn again about every key (tests)."""
+    _given.clear()
+
+
+def _caller_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside ampkit and torch.nn."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
