@@ -1,0 +1,318 @@
+"""FP8 attention: scaled dot-product attention on e4m3 query, key and value.
+
+:func:`scaled_dot_product_attention` is a drop-in for ``F.scaled_dot_product_attention``;
+inside :func:`fp8_attention` torch's function is routed to it wherever it is called from
+(a model's own forward, ``nn.MultiheadAttention``).
+
+The recipe, the same on every path:
+
+- q, k and v are cast to e4m3 with one scale per (batch, head), a power of two: their
+  dequantised values are exact in the inputs' own dtype, so backward works on the very
+  operands forward multiplied.
+- ``Q K^T`` multiplies fp8 operands with fp32 accumulation; softmax runs in fp32.
+- The probabilities ``exp(s - rowmax)``, in [0, 1], are stored in e4m3 times 2**8 for the
+  ``P V`` product, so probabilities down to 2**-17 count (e4m3 alone stops at 2**-9).
+- Backward runs in the forward's compute dtype (bf16, fp16 or fp32 operands, fp32
+  accumulation) from the saved fp8 q, k, v, the output and the row log-sum-exp, as
+  flash attention's backward does. Gradients pass the casts unchanged (straight-through),
+  as Float8Linear's do. Saved per element: 3 bytes of fp8 q, k, v (torch's bf16 attention
+  saves q, k, v and the output, 8 bytes; the output is saved by the next layer anyway).
+
+Paths: on a GPU with fp8 tensor cores and Triton installed, fused Triton kernels
+(``_attention_kernels.py``: a flash-attention forward on fp8 tensor cores and a backward
+that never materialises the (L, S) score matrix). Elsewhere the recipe is emulated in fp32
+on the materialised score matrix: the numerics, not the speed.
+
+What runs in fp8: 4-D ``(batch, heads, seq, head_dim)`` q, k, v of one floating dtype and
+device, the same head_dim (32, 64, 128 or 256) in all three, no ``attn_mask`` (``is_causal``
+is fine), ``dropout_p=0``, and grouped-query attention (``enable_gqa``). Any other call runs
+torch's attention unchanged, with a warning naming why (once per reason):
+:func:`check_fp8_attention` says it beforehand.
+
+Example:
+    >>> import torch
+    >>> from ampkit.fp8 import fp8_attention
+    >>> q = k = v = torch.randn(1, 2, 8, 32)
+    >>> with fp8_attention(emulate=True):
+    ...     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape
+    torch.Size([1, 2, 8, 32])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import math
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
+
+from .._checks import check_bool
+from .._dtypes import autocast_output_dtype, capability, fp8_supported
+from .._warn import warn_once
+from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
+
+HEAD_DIMS = (32, 64, 128, 256)
+P_SCALE = 256.0  # probabilities are stored in e4m3 as p * 2**8
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_fp8_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor] = None,
+                        dropout_p: float = 0.0, enable_gqa: bool = False) -> Optional[str]:
+    """Why this attention call cannot run in fp8 (None when it can).
+
+    Example:
+        >>> q = torch.randn(1, 2, 8, 24)
+        >>> check_fp8_attention(q, q, q)
+        'head_dim 24 (valid: 32, 64, 128, 256)'
+    """
+    qkv = (query, key, value)
+    if not all(torch.is_tensor(t) for t in qkv):
+        return "query, key and value are not all tensors"
+    if any(t.is_nested or t.layout != torch.strided for t in qkv):
+        return "nested or sparse query, key or value"
+    if any(t.dim() != 4 for t in qkv):
+        return (f"query, key, value of {query.dim()}, {key.dim()}, {value.dim()} dimensions "
+                "(valid: 4, as (batch, heads, seq, head_dim))")
+    if len({t.dtype for t in qkv}) > 1 or query.dtype not in _FLOATS:
+        return (f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (valid: all float16, "
+                "all bfloat16 or all float32)")
+    if len({t.device for t in qkv}) > 1:
+        return f"devices {query.device}, {key.device}, {value.device} differ"
+    if attn_mask is not None:
+        return "attn_mask given (fp8 attention takes is_causal, no mask tensor)"
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p!r} (fp8 attention has no dropout; valid: 0.0)"
+    return _check_shapes(query, key, value, enable_gqa)
+
+
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> Optional[str]:
+    (batch, heads, length, dim), (k_batch, k_heads, k_length, _) = query.shape, key.shape
+    if key.shape != value.shape or k_batch != batch:
+        return (f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
+                "(valid: k and v alike, one batch size)")
+    if dim not in HEAD_DIMS or key.shape[-1] != dim:
+        return f"head_dim {dim} (valid: {', '.join(map(str, HEAD_DIMS))})"
+    if heads != k_heads and not (enable_gqa and k_heads and heads % k_heads == 0):
+        return (f"{heads} query heads and {k_heads} key/value heads (valid: equal, or a "
+                "multiple with enable_gqa=True)")
+    if length == 0 or k_length == 0 or batch == 0 or heads == 0:
+        return f"an empty query {tuple(query.shape)} or key {tuple(key.shape)}"
+    return None
+
+
+def quantize_heads(x: Tensor) -> Fp8:
+    """``x`` (batch, heads, seq, dim) in e4m3, one power-of-two scale per (batch, head).
+
+    Example:
+        >>> q = quantize_heads(torch.full((1, 1, 2, 32), 3.0))
+        >>> q.inv_scale.shape, dequantize(q).unique().tolist()
+        (torch.Size([1, 1, 1, 1]), [3.0])
+    """
+    scale = amax_to_scale(compute_amax(x, dim=(-2, -1)), E4M3)
+    # Rounded down to a power of two (amax lands in [224, 448]): dequantising is exact.
+    return quantize(x, E4M3, scale=torch.exp2(torch.floor(torch.log2(scale))))
+
+
+def _expand_heads(x: Tensor, heads: int) -> Tensor:
+    """Key/value heads repeated for grouped-query attention (each serves a group)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_heads(grad: Tensor, heads: int) -> Tensor:
+    """The gradient of :func:`_expand_heads`: each group's query heads summed."""
+    if grad.shape[1] == heads:
+        return grad
+    batch, _, length, dim = grad.shape
+    return grad.reshape(batch, heads, -1, length, dim).sum(2)
+
+
+class _Emulated:
+    """The recipe in fp32 on the materialised (L, S) score matrix."""
+
+    @staticmethod
+    def scores(q8: Fp8, k8: Fp8, causal: bool, scale: float) -> Tensor:
+        q = dequantize(q8)
+        k = _expand_heads(dequantize(k8), q.shape[1])
+        s = (q @ k.transpose(-2, -1)) * scale  # fp8 products are exact in fp32
+        if causal:  # top-left aligned, as torch's is_causal
+            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
+                out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        s = _Emulated.scores(q8, k8, causal, scale)
+        rowmax = s.amax(-1, keepdim=True)
+        p = torch.exp(s - rowmax)
+        rowsum = p.sum(-1, keepdim=True)
+        p8 = (p * P_SCALE).to(E4M3)  # <= 256: no saturation
+        v = _expand_heads(dequantize(v8), s.shape[1])
+        out = (p8.float() @ v) / (rowsum * P_SCALE)
+        return out.to(out_dtype), (rowmax + rowsum.log()).squeeze(-1)
+
+    @staticmethod
+    def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tensor,
+                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        s = _Emulated.scores(q8, k8, causal, scale)
+        heads, kv_heads = s.shape[1], k8.data.shape[1]
+        p = torch.exp(s - lse.unsqueeze(-1))
+        d_out = grad_out.float()
+        delta = (d_out * out.float()).sum(-1, keepdim=True)
+        d_v = p.transpose(-2, -1) @ d_out
+        d_s = p * (d_out @ _expand_heads(dequantize(v8), heads).transpose(-2, -1) - delta)
+        d_q = (d_s @ _expand_heads(dequantize(k8), heads)) * scale
+        d_k = (d_s.transpose(-2, -1) @ dequantize(q8)) * scale
+        return d_q, _sum_heads(d_k, kv_heads), _sum_heads(d_v, kv_heads)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernels() -> Any:
+    from . import _attention_kernels  # imports triton: only where the kernels run
+
+    return _attention_kernels
+
+
+class _Fp8AttentionFn(torch.autograd.Function):
+    """Attention with fp8 q, k, v in forward; backward from the saved fp8 operands."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, causal: bool,  # type: ignore[override]
+                scale: float, native: bool, out_dtype: torch.dtype) -> Tensor:
+        impl = _kernels() if native else _Emulated
+        with torch.autocast(query.device.type, enabled=False):
+            q8, k8, v8 = (quantize_heads(t) for t in (query, key, value))
+            out, lse = impl.forward(q8, k8, v8, causal, scale, out_dtype)
+        ctx.save_for_backward(*q8, *k8, *v8, out, lse)
+        ctx.causal, ctx.scale, ctx.impl = causal, scale, impl
+        ctx.dtypes = (query.dtype, key.dtype, value.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable  # a double backward raises instead of differentiating only grad_out
+    def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        q_data, q_inv, k_data, k_inv, v_data, v_inv, out, lse = ctx.saved_tensors
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grads = ctx.impl.backward(grad_out, Fp8(q_data, q_inv), Fp8(k_data, k_inv),
+                                      Fp8(v_data, v_inv), out, lse, ctx.causal, ctx.scale)
+        d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        return d_q, d_k, d_v, None, None, None, None
+
+
+def _native(device: torch.device, emulate: Optional[bool]) -> bool:
+    """Whether the Triton kernels run this call (decided per call, on q's device)."""
+    if emulate is True:
+        return False
+    if fp8_supported(str(device)) and _triton_available():
+        return True
+    if emulate is False:
+        why = ("Triton is not installed" if fp8_supported(str(device)) else
+               f"{device} ({capability(str(device)).name}) has no fp8 tensor cores")
+        raise RuntimeError(f"fp8 attention with emulate=False needs fp8 tensor cores and Triton, "
+                           f"but {why}; valid: emulate=None or True there")
+    if device.type != "meta":
+        warn_once(("fp8-attention-emulation", device.type),
+                  f"ampkit.fp8: no fp8 attention kernel on {device.type!r}; attention is emulated "
+                  "there (same numerics, no speed-up). Pass emulate=True to silence this.")
+    return False
+
+
+def _check_emulate(emulate: Any) -> Optional[bool]:
+    if emulate is not None and not isinstance(emulate, bool):
+        raise TypeError(f"emulate must be None, True or False, got {type(emulate).__name__} "
+                        f"{emulate!r}")
+    return emulate
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False, *,
+                                 emulate: Optional[bool] = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` with fp8 q, k, v (the module docstring's recipe).
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
+            torch's function; a call fp8 cannot run (:func:`check_fp8_attention`) runs
+            torch's attention instead, with a warning naming why.
+        emulate: None: the Triton kernels where they run (a GPU with fp8 tensor cores and
+            Triton), else emulation with a one-time warning; True: always emulate; False:
+            RuntimeError where the kernels cannot run.
+
+    Returns:
+        The attention output, in the autocast dtype inside an autocast region (as torch's),
+        else in the inputs' dtype.
+
+    Example:
+        >>> q = torch.randn(2, 4, 16, 64, requires_grad=True)
+        >>> out = scaled_dot_product_attention(q, q, q, emulate=True)
+        >>> out.sum().backward(); q.grad.dtype
+        torch.float32
+    """
+    emulate = _check_emulate(emulate)
+    check_bool("is_causal", is_causal)
+    reason = check_fp8_attention(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if reason is not None:
+        warn_once(("fp8-attention-fallback", reason),
+                  f"ampkit.fp8: this attention runs in high precision, not fp8: {reason}")
+        extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                              scale=scale, **extra)
+    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    # Dynamo refuses one tensor in two inputs of an autograd.Function: self-attention on
+    # one tensor passes views of it instead (no copy; gradients still add up).
+    if key is query:
+        key = key.view_as(key)
+    if value is query or value is key:
+        value = value.view_as(value)
+    return _Fp8AttentionFn.apply(query, key, value, is_causal, sm_scale,
+                                 _native(query.device, emulate), autocast_output_dtype(query))
+
+
+class _RouteAttention(TorchFunctionMode):
+    """Sends torch's scaled_dot_product_attention to ampkit's; everything else passes."""
+
+    def __init__(self, emulate: Optional[bool]) -> None:
+        super().__init__()
+        self.emulate = emulate
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:  # the mode is off inside this handler
+            return scaled_dot_product_attention(*args, **kwargs, emulate=self.emulate)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fp8_attention(enabled: bool = True, *, emulate: Optional[bool] = None) -> Iterator[None]:
+    """Run every ``F.scaled_dot_product_attention`` call in this region (in this thread)
+    in fp8, through :func:`scaled_dot_product_attention`.
+
+    Backward may run outside the region: the fp8 recipe is recorded with the forward.
+    ``enabled=False`` makes the region a no-op, so one loop serves every precision. Each
+    torch function called in the region passes through one Python check (a few
+    microseconds of host time per op): enter it around the model's forward.
+
+    Example:
+        >>> with fp8_attention(enabled=False):
+        ...     pass
+    """
+    check_bool("enabled", enabled)
+    _check_emulate(emulate)
+    if not enabled:
+        yield
+        return
+    with _RouteAttention(emulate):
+        yield

@@ -1,0 +1,386 @@
+"""FP8 attention: the recipe (emulated), its Triton kernels (interpreted on CPU), routing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _attention_interpreted
+from ampkit.fp8 import attention, check_fp8_attention, fp8_attention, scaled_dot_product_attention
+from ampkit.fp8.scaling import E4M3, dequantize
+
+from _attention_interpreted import sqnr
+
+_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not _TRITON, reason="Triton is not installed")
+fp8_cuda = pytest.mark.skipif(not (_TRITON and torch.cuda.is_available()
+                                   and attention.fp8_supported("cuda")),
+                              reason="needs a GPU with fp8 tensor cores and Triton")
+
+
+def qkv(batch=2, heads=4, kv_heads=4, length=24, k_length=24, dim=32, dtype=torch.float32,
+        device="cpu", seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((batch, heads, length, dim), (batch, kv_heads, k_length, dim),
+              (batch, kv_heads, k_length, dim))
+    return [torch.randn(s, generator=g).to(device, dtype).requires_grad_(grad) for s in shapes]
+
+
+def emulated(q, k, v, **kw):
+    return scaled_dot_product_attention(q, k, v, emulate=True, **kw)
+
+
+# --- the cast -----------------------------------------------------------------------------
+
+def test_quantize_heads_one_power_of_two_scale_per_batch_and_head():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, 32, generator=g) * torch.tensor([1e-3, 1.0, 500.0]).view(1, 3, 1, 1)
+    x[1, 2] = 0.0
+    q = attention.quantize_heads(x)
+    assert q.data.dtype == E4M3 and q.inv_scale.shape == (2, 3, 1, 1)
+    assert torch.equal(torch.exp2(torch.log2(q.inv_scale).round()), q.inv_scale)  # powers of two
+    amax = q.data.float().abs().amax(dim=(-2, -1))
+    zero = torch.zeros_like(amax, dtype=torch.bool)
+    zero[1, 2] = True
+    assert ((amax >= 224) & (amax <= 448) | zero).all()  # the amax fills e4m3's top binade
+    assert q.inv_scale[1, 2].item() == 1.0 and q.data[1, 2].float().abs().max() == 0
+    # Dequantising a bf16 or fp16 input is exact in its own dtype, tiny values included:
+    # backward multiplies the very operands forward did.
+    for dtype in (torch.bfloat16, torch.float16):
+        tiny = x.to(dtype) * 2.0 ** -12  # fp16: into its subnormals
+        for t in (x.to(dtype), tiny):
+            q = attention.quantize_heads(t)
+            assert torch.equal(dequantize(q, dtype).float(), dequantize(q))
+
+
+# --- the emulated recipe --------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_close_to_high_precision_attention(causal, dtype):
+    q, k, v = qkv(dtype=dtype, dim=64)
+    out = emulated(q, k, v, is_causal=causal)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert sqnr(out, ref) > 22  # e4m3 q, k, v and p: 26-28 dB measured on Gaussian inputs
+
+
+def test_probabilities_below_e4m3_range_still_count():
+    # Scores 9 (key 0, value 0) and 0 (63 keys, value 1), all exact in e4m3: the 63 get
+    # p = e**-9 = 1.2e-4 each, below e4m3's smallest subnormal 2**-9 = 2e-3. Unscaled, p
+    # would flush to 0 and the output with it; stored times 2**8 they count.
+    q = torch.zeros(1, 1, 1, 32)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 64, 32)
+    k[0, 0, 0, 0] = 9.0
+    v = torch.ones(1, 1, 64, 32)
+    v[0, 0, 0] = 0.0
+    out = emulated(q, k, v, scale=1.0)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    assert ref[0, 0, 0, 0].item() == pytest.approx(63 * math.exp(-9) / (1 + 63 * math.exp(-9)))
+    assert sqnr(out, ref) > 35
+
+
+def test_causal_rows_do_not_see_later_keys():
+    q, k, v = qkv(length=16, k_length=16)
+    # Keys and values 8.. reversed among themselves: the per-head amax, and so the scales,
+    # stay; rows < 8 must not change at all, the others must.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 8:] = k[:, :, 8:].flip(2)
+    v2[:, :, 8:] = v[:, :, 8:].flip(2)
+    out, out2 = emulated(q, k, v, is_causal=True), emulated(q, k2, v2, is_causal=True)
+    assert torch.equal(out[:, :, :8], out2[:, :, :8])
+    assert not torch.equal(out[:, :, 8:], out2[:, :, 8:])
+
+
+def test_grouped_query_attention_equals_repeated_heads():
+    q, k, v = qkv(heads=4, kv_heads=2, grad=True)
+    out = emulated(q, k, v, enable_gqa=True)
+    out.backward(torch.ones_like(out))
+    k_rep, v_rep = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
+    q_rep = q.detach().clone().requires_grad_()
+    out_rep = emulated(q_rep, k_rep, v_rep)
+    out_rep.backward(torch.ones_like(out_rep))
+    assert torch.equal(out, out_rep) and torch.equal(q.grad, q_rep.grad)
+    torch.testing.assert_close(k.grad, k_rep.grad.unflatten(1, (2, 2)).sum(2))
+    torch.testing.assert_close(v.grad, v_rep.grad.unflatten(1, (2, 2)).sum(2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_is_attention_backward_at_the_quantised_inputs(causal):
+    q, k, v = qkv(length=20, k_length=28 if not causal else 20, grad=True)
+    out = emulated(q, k, v, is_causal=causal)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    deq = [dequantize(attention.quantize_heads(t.detach())).requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*deq, is_causal=causal).backward(grad)
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.float32
+    # dV = p^T dO exactly; dQ, dK use the fp8 forward's output in rowsum(dO * O).
+    assert sqnr(v.grad, deq[2].grad) > 100
+    assert sqnr(q.grad, deq[0].grad) > 30 and sqnr(k.grad, deq[1].grad) > 30
+
+
+def test_autocast_output_dtype_and_fp32_grads_as_torch():
+    q, k, v = qkv(grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = emulated(q, k, v)
+        ref = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.float32
+
+
+def test_double_backward_raises_instead_of_a_wrong_second_derivative():
+    q, k, v = qkv(grad=True)
+    (d_q,) = torch.autograd.grad(emulated(q, k, v).sum(), q, create_graph=True)
+    assert d_q.grad_fn is None  # before: a graph through grad_out only, silently wrong
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        d_q.sum().backward()
+
+
+def test_non_finite_input_reaches_the_output():
+    q, k, v = qkv()
+    k[0, 1, 3, 5] = float("inf")
+    out = emulated(q, k, v)
+    assert out[0, 1].isnan().all() and out[1].isfinite().all()
+
+
+def test_saves_fp8_operands_not_high_precision_copies():
+    q, k, v = qkv(grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = emulated(q, k, v)
+    dtypes = sorted(str(t.dtype) for t in saved)
+    assert dtypes.count("torch.float8_e4m3fn") == 3 and len(saved) == 8
+    assert sum(t.dtype == torch.float32 and t.shape == q.shape for t in saved) == 1  # the output
+    assert any(t is out or t.data_ptr() == out.data_ptr() for t in saved)
+
+
+# --- what runs in fp8, and what falls back ---------------------------------------------------
+
+@pytest.mark.parametrize("args, reason", [
+    (dict(dim=24), "head_dim 24 (valid: 32, 64, 128, 256)"),
+    (dict(heads=4, kv_heads=2), "4 query heads and 2 key/value heads (valid: equal, or a "
+                                "multiple with enable_gqa=True)"),
+])
+def test_check_fp8_attention_names_the_reason(args, reason):
+    assert check_fp8_attention(*qkv(**args)) == reason
+
+
+def test_check_fp8_attention_reasons():
+    q, k, v = qkv()
+    assert check_fp8_attention(q, k, v) is None
+    assert check_fp8_attention(q, k, v, enable_gqa=True) is None
+    assert "attn_mask" in check_fp8_attention(q, k, v, attn_mask=torch.ones(24, 24, dtype=torch.bool))
+    assert "dropout_p=0.1" in check_fp8_attention(q, k, v, dropout_p=0.1)
+    assert "dimensions" in check_fp8_attention(q[0], k[0], v[0])
+    assert "dtypes" in check_fp8_attention(q, k.double(), v)
+    assert "dtypes" in check_fp8_attention(q.double(), k.double(), v.double())
+    assert "not all tensors" in check_fp8_attention(q, None, v)
+    assert "empty" in check_fp8_attention(q[:, :, :0], k, v)
+    assert "shapes" in check_fp8_attention(q, k, v[:, :, :5])
+
+
+@pytest.mark.parametrize("kwargs", [dict(attn_mask="mask"), dict(dropout_p=0.5), dict(dim=24)])
+def test_unsupported_call_runs_torch_attention_with_a_warning(kwargs):
+    dim = kwargs.pop("dim", 32)
+    q, k, v = qkv(dim=dim)
+    if kwargs.get("attn_mask") == "mask":
+        kwargs["attn_mask"] = torch.rand(24, 24) > 0.3
+        kwargs["attn_mask"][:, 0] = True
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="runs in high precision, not fp8"):
+        out = scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.manual_seed(1)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
+
+
+def test_fallback_warns_once_per_reason():
+    q, k, v = qkv(dim=24)
+    with pytest.warns(UserWarning) as record:
+        scaled_dot_product_attention(q, k, v)
+        scaled_dot_product_attention(q, k, v)
+        scaled_dot_product_attention(*qkv(dim=48))
+    assert len([w for w in record if "high precision" in str(w.message)]) == 2
+
+
+def test_emulation_warns_once_and_emulate_true_is_silent():
+    q, k, v = qkv()
+    with pytest.warns(UserWarning, match="no fp8 attention kernel on 'cpu'") as record:
+        scaled_dot_product_attention(q, k, v)
+        scaled_dot_product_attention(q, k, v)
+    assert len([w for w in record if "fp8 attention kernel" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled_dot_product_attention(q, k, v, emulate=True)
+
+
+def test_emulate_false_without_kernels_raises():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"emulate=False needs fp8 tensor cores and Triton, but "
+                                           r"cpu .* has no fp8 tensor cores; valid: emulate=None"):
+        scaled_dot_product_attention(q, k, v, emulate=False)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q: scaled_dot_product_attention(q, q, q, emulate="yes"),
+     r"emulate must be None, True or False, got str 'yes'"),
+    (lambda q: scaled_dot_product_attention(q, q, q, is_causal=1),
+     r"is_causal must be a bool, got int 1"),
+    (lambda q: fp8_attention(enabled="no").__enter__(), r"enabled must be a bool, got str 'no'"),
+    (lambda q: fp8_attention(emulate=0).__enter__(), r"emulate must be None, True or False"),
+])
+def test_bad_arguments(call, message):
+    with pytest.raises(TypeError, match=message):
+        call(qkv()[0])
+
+
+# --- routing torch's function -----------------------------------------------------------------
+
+def test_region_routes_torch_sdpa_and_restores_on_exit():
+    q, k, v = qkv()
+    with fp8_attention(emulate=True):
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        also = torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+    assert torch.equal(routed, emulated(q, k, v, is_causal=True)) and torch.equal(routed, also)
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    with pytest.raises(ValueError, match="boom"):
+        with fp8_attention(emulate=True):
+            raise ValueError("boom")
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert not torch.equal(plain, routed)
+    assert torch.equal(plain, F.scaled_dot_product_attention(q.clone(), k, v, is_causal=True))
+
+
+def test_disabled_region_is_a_no_op():
+    q, k, v = qkv()
+    with fp8_attention(enabled=False):
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert out.grad_fn is None and torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_region_backward_runs_after_exit():
+    q, k, v = qkv(grad=True)
+    with fp8_attention(emulate=True):
+        out = F.scaled_dot_product_attention(q, k, v)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+def test_compiles_whole_and_equals_eager():
+    """aot_eager traces forward and backward as inductor does. q, k, v are one tensor:
+    dynamo refuses one tensor in two inputs of an autograd.Function (views pass instead)."""
+    q = torch.randn(2, 4, 16, 32, requires_grad=True)
+
+    def step(x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    with fp8_attention(emulate=True):
+        eager = step(q)
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(torch.autograd.grad(compiled.sum(), q)[0],
+                       torch.autograd.grad(eager.sum(), q)[0])
+
+
+class _Block(nn.Module):
+    """A causal self-attention block calling F.scaled_dot_product_attention."""
+
+    def __init__(self, dim=64, heads=2):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(att.transpose(1, 2).flatten(2))
+
+
+def test_a_model_trains_with_fp8_attention_like_without():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 64)
+    target = x.roll(1, dims=1)
+    losses = {}
+    for fp8 in (False, True):
+        torch.manual_seed(0)
+        model = _Block()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        curve = []
+        for _ in range(8):
+            with fp8_attention(fp8, emulate=True):
+                loss = F.mse_loss(model(x), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(loss.item())
+        losses[fp8] = curve
+    assert losses[True][-1] < losses[True][0] * 0.95
+    assert all(abs(a - b) / b < 0.01 for a, b in zip(losses[True], losses[False]))
+
+
+# --- the Triton kernels, interpreted on the CPU -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The kernels' results under Triton's interpreter, from one subprocess (see
+    _attention_interpreted.py for why a subprocess)."""
+    script = os.path.join(os.path.dirname(__file__), "_attention_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# The kernels' bf16/fp16 backward rounds p and dS to that dtype (fp32 accumulation).
+BACKWARD_SQNR = {"float32": 100, "float16": 60, "bfloat16": 45}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", range(len(_attention_interpreted.CASES)))
+@pytest.mark.parametrize("dtype", _attention_interpreted.DTYPES)
+def test_kernels_match_the_emulated_recipe(interpreted, case, dtype):
+    result = interpreted["cases"][f"{case}-{dtype}"]
+    assert result["out_dtype"] == f"torch.{dtype}" and result["lse_dtype"] == "torch.float32"
+    # The online softmax rounds p to e4m3 against the running row max, the emulation
+    # against the final one: the same only where one block holds every key (case 2).
+    k_length = _attention_interpreted.CASES[case][4]
+    assert result["out"] > (100 if k_length <= 32 else 30)
+    assert result["lse_max_diff"] < 1e-5 and result["shapes_match"]
+    assert min(result["grads"]) > BACKWARD_SQNR[dtype]
+
+
+@needs_triton
+def test_kernel_path_end_to_end(interpreted):
+    result = interpreted["end_to_end"]
+    assert result["out_dtype"] == "torch.float16"
+    assert result["grad_dtypes"] == ["torch.float16"] * 3
+    assert result["out"] > 100 and min(result["grads"]) > BACKWARD_SQNR["float16"]
+
+
+@pytest.mark.gpu
+@fp8_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # one dtype: each compiles 3 kernels
+def test_kernels_on_gpu_match_the_emulation(dtype):
+    q, k, v = qkv(2, 8, 4, 300, 300, 128, dtype, "cuda", grad=True)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, emulate=False)
+    out.float().square().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = emulated(q, k, v, is_causal=True, enable_gqa=True)
+    ref.float().square().sum().backward()
+    assert out.dtype == dtype and sqnr(out, ref) > 30
+    for got, t in zip(grads, (q, k, v)):
+        assert sqnr(got, t.grad) > 40
