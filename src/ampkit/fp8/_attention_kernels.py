@@ -18,16 +18,18 @@ run. With ``TRITON_INTERPRET=1`` set before the import, the kernels run on CPU t
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .scaling import ATTENTION_P_SCALE as P_SCALE
 from .scaling import Fp8
 
-P_SCALE = 256.0
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -38,7 +40,7 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
                     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, P_MUL: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch*heads*seq*dim may pass 2**31
     b, h = bh // heads, bh % heads
     hk = h // (heads // kv_heads)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -57,7 +59,9 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None],
                     mask=offs_n[None, :] < k_length, other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        # Hopper's fp8 tensor cores add in reduced precision: each dot's sum is promoted
+        # to fp32 (max_num_imprecise_acc = its K), never carried imprecisely across blocks.
+        s = tl.dot(q, k, max_num_imprecise_acc=DIM) * qk_scale
         valid = offs_n[None, :] < k_length
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
@@ -68,7 +72,8 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
                     mask=offs_n[:, None] < k_length, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot((p * P_MUL).to(tl.float8e4nv), v)
+        p_v = tl.dot((p * P_MUL).to(tl.float8e4nv), v, max_num_imprecise_acc=BLOCK_N)
+        acc = acc * alpha[:, None] + p_v
         m_i = m_new
     v_inv = tl.load(VI + b * kv_heads + hk)
     out = acc * (v_inv / P_MUL) / l_i[:, None]
@@ -80,13 +85,11 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
 
 
 @triton.jit
-def _scores_t(q, k, lse, sm_scale, offs_m, offs_n, length, k_length, CAUSAL: tl.constexpr):
-    """``p^T`` (BLOCK_N, BLOCK_M) of one key block against one query block, from lse."""
-    s = tl.dot(k, tl.trans(q)) * sm_scale
-    valid = (offs_n[:, None] < k_length) & (offs_m[None, :] < length)
-    if CAUSAL:
-        valid = valid & (offs_n[:, None] <= offs_m[None, :])
-    return tl.where(valid, tl.exp(s - lse[None, :]), 0.0)
+def _load_dequantised(ptr, offs_rows, rows, offs_d, s_row, inv_scale, DT: tl.constexpr):
+    """A (rows, DIM) block of fp8 rows in DT: exact, the scales being powers of two."""
+    x = tl.load(ptr + offs_rows[:, None] * s_row + offs_d[None, :],
+                mask=offs_rows[:, None] < rows, other=0.0)
+    return (x.to(tl.float32) * inv_scale).to(DT)
 
 
 @triton.jit
@@ -94,39 +97,40 @@ def _dkdv_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DK, DV, sm_scale,
                  s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                  heads, kv_heads, length, k_length,
                  DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, DT: tl.constexpr):
+                 CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
     hk = h // (heads // kv_heads)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DIM)
-    kv_rows = offs_n[:, None] < k_length
-    k = (tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
-                 mask=kv_rows, other=0.0).to(tl.float32) * tl.load(KI + b * kv_heads + hk)).to(DT)
-    v = (tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :],
-                 mask=kv_rows, other=0.0).to(tl.float32) * tl.load(VI + b * kv_heads + hk)).to(DT)
-    q_inv = tl.load(QI + b * heads + h)
+    k = _load_dequantised(K + b * s_kb + hk * s_kh, offs_n, k_length, offs_d, s_kn,
+                          tl.load(KI + b * kv_heads + hk), DT)
+    v = _load_dequantised(V + b * s_vb + hk * s_vh, offs_n, k_length, offs_d, s_vn,
+                          tl.load(VI + b * kv_heads + hk), DT)
+    q_base, q_inv = Q + b * s_qb + h * s_qh, tl.load(QI + b * heads + h)
     d_k = tl.zeros([BLOCK_N, DIM], tl.float32)
     d_v = tl.zeros([BLOCK_N, DIM], tl.float32)
     lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for start_m in range(lo, length, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = offs_m[:, None] < length
-        q = (tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
-                     mask=rows, other=0.0).to(tl.float32) * q_inv).to(DT)
+        q = _load_dequantised(q_base, offs_m, length, offs_d, s_qm, q_inv, DT)
         d_o = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
-                      mask=rows, other=0.0).to(DT)
+                      mask=offs_m[:, None] < length, other=0.0).to(DT)
         lse = tl.load(Lse + bh * length + offs_m, mask=offs_m < length, other=0.0)
         delta = tl.load(Delta + bh * length + offs_m, mask=offs_m < length, other=0.0)
-        p_t = _scores_t(q, k, lse, sm_scale, offs_m, offs_n, length, k_length, CAUSAL)
-        d_v += tl.dot(p_t.to(DT), d_o)
-        d_p_t = tl.dot(v, tl.trans(d_o))
-        d_s_t = p_t * (d_p_t - delta[None, :])
-        d_k += tl.dot(d_s_t.to(DT), q)
+        # Transposed (keys x queries): dV and dK accumulate over the rows of this program.
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
+        valid = (offs_n[:, None] < k_length) & (offs_m[None, :] < length)
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :])
+        p_t = tl.where(valid, tl.exp(s_t - lse[None, :]), 0.0)
+        d_v += tl.dot(p_t.to(DT), d_o, input_precision=PREC)
+        d_p_t = tl.dot(v, tl.trans(d_o), input_precision=PREC)
+        d_k += tl.dot((p_t * (d_p_t - delta[None, :])).to(DT), q, input_precision=PREC)
     out_off = bh * k_length * DIM + offs_n[:, None] * DIM + offs_d[None, :]
-    tl.store(DK + out_off, d_k * sm_scale, mask=kv_rows)
-    tl.store(DV + out_off, d_v, mask=kv_rows)
+    tl.store(DK + out_off, d_k * sm_scale, mask=offs_n[:, None] < k_length)
+    tl.store(DV + out_off, d_v, mask=offs_n[:, None] < k_length)
 
 
 @triton.jit
@@ -134,44 +138,62 @@ def _dq_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DQ, sm_scale,
                s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
                heads, kv_heads, length, k_length,
                DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, DT: tl.constexpr):
+               CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     b, h = bh // heads, bh % heads
     hk = h // (heads // kv_heads)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DIM)
     rows = offs_m[:, None] < length
-    q = (tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
-                 mask=rows, other=0.0).to(tl.float32) * tl.load(QI + b * heads + h)).to(DT)
+    q = _load_dequantised(Q + b * s_qb + h * s_qh, offs_m, length, offs_d, s_qm,
+                          tl.load(QI + b * heads + h), DT)
     d_o = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
                   mask=rows, other=0.0).to(DT)
     lse = tl.load(Lse + bh * length + offs_m, mask=offs_m < length, other=0.0)
     delta = tl.load(Delta + bh * length + offs_m, mask=offs_m < length, other=0.0)
-    k_inv = tl.load(KI + b * kv_heads + hk)
-    v_inv = tl.load(VI + b * kv_heads + hk)
+    k_base, k_inv = K + b * s_kb + hk * s_kh, tl.load(KI + b * kv_heads + hk)
+    v_base, v_inv = V + b * s_vb + hk * s_vh, tl.load(VI + b * kv_heads + hk)
     d_q = tl.zeros([BLOCK_M, DIM], tl.float32)
     end = tl.minimum(k_length, start_m + BLOCK_M) if CAUSAL else k_length
     for start_n in range(0, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_rows = offs_n[:, None] < k_length
-        k = (tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
-                     mask=kv_rows, other=0.0).to(tl.float32) * k_inv).to(DT)
-        v = (tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :],
-                     mask=kv_rows, other=0.0).to(tl.float32) * v_inv).to(DT)
-        p_t = _scores_t(q, k, lse, sm_scale, offs_m, offs_n, length, k_length, CAUSAL)
-        d_p_t = tl.dot(v, tl.trans(d_o))
-        d_s_t = p_t * (d_p_t - delta[None, :])
-        d_q += tl.dot(tl.trans(d_s_t).to(DT), k)
+        k = _load_dequantised(k_base, offs_n, k_length, offs_d, s_kn, k_inv, DT)
+        v = _load_dequantised(v_base, offs_n, k_length, offs_d, s_vn, v_inv, DT)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        valid = (offs_m[:, None] < length) & (offs_n[None, :] < k_length)
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        d_p = tl.dot(d_o, tl.trans(v), input_precision=PREC)
+        d_q += tl.dot((p * (d_p - delta[:, None])).to(DT), k, input_precision=PREC)
     tl.store(DQ + bh * length * DIM + offs_m[:, None] * DIM + offs_d[None, :], d_q * sm_scale,
              mask=rows)
 
 
-def _blocks(dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a head dim: smaller tiles for wide heads."""
+class Launch(NamedTuple):
+    """Tile sizes and launch options of one kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def forward_launch(dim: int) -> Launch:
+    """The forward's tiles for a head dim (smaller for wide heads)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return 16, 32, 1  # the interpreter (tests): small tiles exercise the block loops
-    return (128, 64, 8) if dim <= 64 else (64, 64, 4) if dim <= 128 else (64, 32, 4)
+        return Launch(16, 32, 1, 1)  # the interpreter (tests): small tiles run the block loops
+    return Launch(128, 64, 8, 3) if dim <= 64 else Launch(64, 64, 4, 3)
+
+
+def backward_launch(dim: int, dtype: torch.dtype) -> Launch:
+    """The backward kernels' tiles: within an H100/H200 block's 227 KiB of shared memory
+    (fp32 operands take twice the room of 16-bit ones: fewer pipeline stages there)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return Launch(16, 32, 1, 1)
+    stages = 1 if dtype == torch.float32 and dim >= 128 else 2
+    return Launch(64, 64, 4, stages) if dim <= 128 else Launch(32, 64, 4, 1)
 
 
 def _strides(t: Tensor) -> tuple[int, int, int]:
@@ -187,6 +209,12 @@ def _inverse_scales(*qs: Fp8) -> list[Tensor]:
     return [q.inv_scale.reshape(-1).contiguous() for q in qs]
 
 
+def _on_device(t: Tensor) -> Any:
+    """The tensor's CUDA device made current for a launch (Triton launches on the current
+    one); nothing to do on a CPU (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Attention output (batch, heads, length, dim) in ``out_dtype`` and fp32 lse."""
@@ -199,13 +227,15 @@ def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
     kv_heads, k_length = k.shape[1], k.shape[2]
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lse = torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
-    block_m, block_n, warps = _blocks(dim)
-    grid = (triton.cdiv(length, block_m), batch * heads)
-    _forward_kernel[grid](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
-                          *_strides(q), *_strides(k), *_strides(v), v.stride(3), *_strides(out),
-                          heads, kv_heads, length, k_length,
-                          DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                          P_MUL=P_SCALE, num_warps=warps)
+    launch = forward_launch(dim)
+    grid = (triton.cdiv(length, launch.block_m), batch * heads)
+    with _on_device(q):
+        _forward_kernel[grid](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
+                              *_strides(q), *_strides(k), *_strides(v), v.stride(3),
+                              *_strides(out), heads, kv_heads, length, k_length,
+                              DIM=dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                              CAUSAL=causal, P_MUL=P_SCALE, num_warps=launch.num_warps,
+                              num_stages=launch.num_stages)
     return out, lse
 
 
@@ -218,18 +248,23 @@ def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tens
     kv_heads, k_length = k.shape[1], k.shape[2]
     delta = (d_o.float() * out.float()).sum(-1).contiguous()
     d_q = torch.empty((batch, heads, length, dim), dtype=torch.float32, device=q.device)
+    # Grouped-query: a dK, dV per query head (each program owns its rows), summed below.
     d_k = torch.empty((batch, heads, k_length, dim), dtype=torch.float32, device=q.device)
     d_v = torch.empty_like(d_k)
-    block_m, block_n, warps = _blocks(dim)
+    launch = backward_launch(dim, grad_out.dtype)
     common = (*_inverse_scales(q8, k8, v8), d_o, lse.contiguous(), delta)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(d_o))
-    meta = dict(DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                DT=_TL_DTYPES[grad_out.dtype], num_warps=warps)
+    # fp32 operands multiply in fp32, not tf32 (Triton's default for them).
+    meta = dict(DIM=dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CAUSAL=causal,
+                DT=_TL_DTYPES[grad_out.dtype],
+                PREC="ieee" if grad_out.dtype == torch.float32 else "tf32",
+                num_warps=launch.num_warps, num_stages=launch.num_stages)
     sizes = (heads, kv_heads, length, k_length)
-    _dkdv_kernel[(triton.cdiv(k_length, block_n), batch * heads)](
-        q, k, v, *common, d_k, d_v, scale, *strides, *sizes, **meta)
-    _dq_kernel[(triton.cdiv(length, block_m), batch * heads)](
-        q, k, v, *common, d_q, scale, *strides, *sizes, **meta)
+    with _on_device(q):
+        _dkdv_kernel[(triton.cdiv(k_length, launch.block_n), batch * heads)](
+            q, k, v, *common, d_k, d_v, scale, *strides, *sizes, **meta)
+        _dq_kernel[(triton.cdiv(length, launch.block_m), batch * heads)](
+            q, k, v, *common, d_q, scale, *strides, *sizes, **meta)
     if heads != kv_heads:
         group = heads // kv_heads
         d_k = d_k.reshape(batch, kv_heads, group, k_length, dim).sum(2)

@@ -22,6 +22,9 @@ from .config import AmaxComputeAlgo
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
+# Attention stores its probabilities p in [0, 1] in e4m3 as p * 2**8, so those down to
+# 2**-17 count (e4m3's own smallest is 2**-9); fp8/attention.py and its kernels use it.
+ATTENTION_P_SCALE = 256.0
 # amax is clamped to at least this before dividing, so a tiny (but non-zero) amax gives a
 # large finite scale (448 / 1e-12 ~ 4.5e14, far below fp32's 3.4e38) instead of inf.
 AMAX_EPS = 1e-12
