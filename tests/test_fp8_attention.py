@@ -142,10 +142,42 @@ def test_autocast_output_dtype_and_fp32_grads_as_torch():
 
 def test_double_backward_raises_instead_of_a_wrong_second_derivative():
     q, k, v = qkv(grad=True)
-    (d_q,) = torch.autograd.grad(emulated(q, k, v).sum(), q, create_graph=True)
-    assert d_q.grad_fn is None  # before: a graph through grad_out only, silently wrong
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        d_q.sum().backward()
+    # Before: a gradient with no graph (a gradient penalty silently added nothing).
+    with pytest.raises(RuntimeError, match=r"no double backward .*create_graph=True.*valid: "):
+        torch.autograd.grad(emulated(q, k, v).sum(), q, create_graph=True)
+
+
+def test_meta_tensors_give_shapes_and_dtypes():
+    q, k, v = (t.to("meta") for t in qkv(dtype=torch.bfloat16))
+    out = emulated(q, k, v, is_causal=True)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == torch.bfloat16
+
+
+def test_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = qkv(grad=True)
+
+    def direct(q, k, v):
+        return emulated(q, k, v, is_causal=True).square().sum()
+
+    def routed(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    (want := direct(q, k, v)).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    runs = [lambda: checkpoint(direct, q, k, v, use_reentrant=False)]
+    # The region is not there when checkpoint recomputes, unless context_fn brings it.
+    regions = lambda: (fp8_attention(emulate=True), fp8_attention(emulate=True))  # noqa: E731
+    runs.append(lambda: checkpoint(routed, q, k, v, use_reentrant=False, context_fn=regions))
+    for run in runs:
+        for t in (q, k, v):
+            t.grad = None
+        with fp8_attention(emulate=True):
+            loss = run()
+        loss.backward()
+        assert torch.equal(loss, want)
+        assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
 
 
 def test_non_finite_input_reaches_the_output():
@@ -205,13 +237,14 @@ def test_unsupported_call_runs_torch_attention_with_a_warning(kwargs):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
 
 
-def test_fallback_warns_once_per_reason():
+def test_fallback_warns_once_per_kind_of_reason():
     q, k, v = qkv(dim=24)
     with pytest.warns(UserWarning) as record:
         scaled_dot_product_attention(q, k, v)
-        scaled_dot_product_attention(q, k, v)
-        scaled_dot_product_attention(*qkv(dim=48))
-    assert len([w for w in record if "high precision" in str(w.message)]) == 2
+        scaled_dot_product_attention(*qkv(dim=48))  # another head_dim: the same kind
+        scaled_dot_product_attention(*qkv(), attn_mask=torch.ones(24, 24, dtype=torch.bool))
+    messages = [str(w.message) for w in record if "high precision" in str(w.message)]
+    assert len(messages) == 2 and "head_dim 24" in messages[0] and "attn_mask" in messages[1]
 
 
 def test_emulation_warns_once_and_emulate_true_is_silent():
@@ -233,12 +266,16 @@ def test_emulate_false_without_kernels_raises():
 
 
 @pytest.mark.parametrize("call, message", [
+    (lambda q: scaled_dot_product_attention(q, q, q, scale="0.1"),
+     r"scale must be None or a float, got str '0.1'"),
+    (lambda q: scaled_dot_product_attention(q, q, q, enable_gqa="yes"),
+     r"enable_gqa must be a bool, got str 'yes'"),
     (lambda q: scaled_dot_product_attention(q, q, q, emulate="yes"),
      r"emulate must be None, True or False, got str 'yes'"),
     (lambda q: scaled_dot_product_attention(q, q, q, is_causal=1),
      r"is_causal must be a bool, got int 1"),
-    (lambda q: fp8_attention(enabled="no").__enter__(), r"enabled must be a bool, got str 'no'"),
-    (lambda q: fp8_attention(emulate=0).__enter__(), r"emulate must be None, True or False"),
+    (lambda q: fp8_attention(enabled="no"), r"enabled must be a bool, got str 'no'"),
+    (lambda q: fp8_attention(emulate=0), r"emulate must be None, True or False"),
 ])
 def test_bad_arguments(call, message):
     with pytest.raises(TypeError, match=message):
@@ -270,12 +307,54 @@ def test_disabled_region_is_a_no_op():
     assert out.grad_fn is None and torch.equal(out, F.scaled_dot_product_attention(q, k, v))
 
 
+def test_nested_disabled_region_turns_fp8_off_and_regions_are_reusable():
+    q, k, v = qkv()
+    fp8, plain = emulated(q, k, v), F.scaled_dot_product_attention(q, k, v)
+    region = fp8_attention(emulate=True)
+    with region:
+        with fp8_attention(enabled=False):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v), plain)
+            with fp8_attention(emulate=True):  # enabled again, innermost wins
+                assert torch.equal(F.scaled_dot_product_attention(q, k, v), fp8)
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), fp8)
+        with region:  # the same object, nested
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v), fp8)
+    with region:  # and again
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v), fp8)
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v), plain)
+    assert not attention._regions.entries and attention._regions.mode is None
+
+
+def test_a_region_in_one_thread_leaves_another_alone():
+    import threading
+
+    q, k, v = qkv()
+    plain, seen = F.scaled_dot_product_attention(q, k, v), []
+    thread = threading.Thread(target=lambda: seen.append(F.scaled_dot_product_attention(q, k, v)))
+    with fp8_attention(emulate=True):
+        thread.start()
+        thread.join()
+    assert torch.equal(seen[0], plain)
+
+
 def test_region_backward_runs_after_exit():
     q, k, v = qkv(grad=True)
     with fp8_attention(emulate=True):
         out = F.scaled_dot_product_attention(q, k, v)
     out.sum().backward()
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+def test_compiles_whole_when_its_first_fallback_warning_is_inside_the_trace():
+    # Before: warn_once walked the stack with sys._getframe, which dynamo cannot trace.
+    q = torch.randn(1, 2, 8, 24)
+
+    def step(x):
+        with fp8_attention(emulate=True):
+            return F.scaled_dot_product_attention(x, x, x)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q)
+    assert torch.equal(compiled, F.scaled_dot_product_attention(q, q, q))
 
 
 def test_compiles_whole_and_equals_eager():

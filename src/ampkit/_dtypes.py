@@ -197,9 +197,9 @@ def autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
     """What a low-precision-listed op (a matmul, attention) returns for input ``x``: the
     autocast dtype inside an autocast region of x's device, else x's own dtype."""
     device_type = x.device.type
-    if _torch_compat.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and _torch_compat.is_autocast_enabled(device_type):
         return _torch_compat.get_autocast_dtype(device_type)
-    return x.dtype
+    return x.dtype  # also on a device without autocast (meta)
 
 
 def fp8_supported(device: Optional[str] = None) -> bool:

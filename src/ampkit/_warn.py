@@ -11,6 +11,8 @@ import sys
 import warnings
 from typing import Hashable
 
+from ._torch_compat import is_compiling
+
 _INTERNAL = (os.path.join("ampkit", ""), os.path.join("torch", "nn", ""),
              os.path.join("torch", "overrides"))
 _given: set = set()
@@ -18,7 +20,7 @@ _given: set = set()
 
 def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning) -> None:
     """Warn ``message`` unless a warning with ``key`` was given before in this process."""
-    if key in _given:
+    if key in _given or is_compiling():  # dynamo cannot trace the frame walk below
         return
     _given.add(key)
     warnings.warn(message, category, stacklevel=_caller_stacklevel())

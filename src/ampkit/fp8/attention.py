@@ -1,22 +1,27 @@
 """FP8 attention: scaled dot-product attention on e4m3 query, key and value.
 
 :func:`scaled_dot_product_attention` is a drop-in for ``F.scaled_dot_product_attention``;
-inside :func:`fp8_attention` torch's function is routed to it wherever it is called from
-(a model's own forward, ``nn.MultiheadAttention``).
+inside :class:`fp8_attention` torch's function is routed to it where a model calls it
+(not from inside ``nn.MultiheadAttention``: see :class:`fp8_attention`).
 
-The recipe, the same on every path:
+The recipe, on every path:
 
 - q, k and v are cast to e4m3 with one scale per (batch, head), a power of two: their
   dequantised values are exact in the inputs' own dtype, so backward works on the very
   operands forward multiplied.
 - ``Q K^T`` multiplies fp8 operands with fp32 accumulation; softmax runs in fp32.
 - The probabilities ``exp(s - rowmax)``, in [0, 1], are stored in e4m3 times 2**8 for the
-  ``P V`` product, so probabilities down to 2**-17 count (e4m3 alone stops at 2**-9).
+  ``P V`` product, so probabilities down to 2**-17 count (e4m3 alone stops at 2**-9). The
+  kernels' online softmax rounds them against the running row max, the emulation against
+  the final one: where a row spans several key blocks the roundings differ (both are
+  equally close to exact attention).
 - Backward runs in the forward's compute dtype (bf16, fp16 or fp32 operands, fp32
   accumulation) from the saved fp8 q, k, v, the output and the row log-sum-exp, as
   flash attention's backward does. Gradients pass the casts unchanged (straight-through),
   as Float8Linear's do. Saved per element: 3 bytes of fp8 q, k, v (torch's bf16 attention
   saves q, k, v and the output, 8 bytes; the output is saved by the next layer anyway).
+- A non-finite value in q, k or v makes its whole (batch, head) NaN (a loss scaler then
+  skips the step); no double backward, no torch.func transforms.
 
 Paths: on a GPU with fp8 tensor cores and Triton installed, fused Triton kernels
 (``_attention_kernels.py``: a flash-attention forward on fp8 tensor cores and a backward
@@ -26,7 +31,7 @@ on the materialised score matrix: the numerics, not the speed.
 What runs in fp8: 4-D ``(batch, heads, seq, head_dim)`` q, k, v of one floating dtype and
 device, the same head_dim (32, 64, 128 or 256) in all three, no ``attn_mask`` (``is_causal``
 is fine), ``dropout_p=0``, and grouped-query attention (``enable_gqa``). Any other call runs
-torch's attention unchanged, with a warning naming why (once per reason):
+torch's attention unchanged, with a warning naming why (once per kind of reason):
 :func:`check_fp8_attention` says it beforehand.
 
 Example:
@@ -45,21 +50,22 @@ import contextlib
 import functools
 import importlib.util
 import math
-from typing import Any, Callable, Iterator, Optional
+import numbers
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from .._checks import check_bool
 from .._dtypes import autocast_output_dtype, capability, fp8_supported
 from .._warn import warn_once
+from .scaling import ATTENTION_P_SCALE as P_SCALE
 from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
 
 HEAD_DIMS = (32, 64, 128, 256)
-P_SCALE = 256.0  # probabilities are stored in e4m3 as p * 2**8
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -72,38 +78,47 @@ def check_fp8_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Te
         >>> check_fp8_attention(q, q, q)
         'head_dim 24 (valid: 32, 64, 128, 256)'
     """
+    why = _why_not(query, key, value, attn_mask, dropout_p, enable_gqa)
+    return None if why is None else why[1]
+
+
+def _why_not(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor], dropout_p: float,
+             enable_gqa: bool) -> Optional[tuple[str, str]]:
+    """(kind, reason) of a call fp8 cannot run; the kind keys the once-only warning."""
     qkv = (query, key, value)
     if not all(torch.is_tensor(t) for t in qkv):
-        return "query, key and value are not all tensors"
+        return "type", "query, key and value are not all tensors"
     if any(t.is_nested or t.layout != torch.strided for t in qkv):
-        return "nested or sparse query, key or value"
+        return "layout", "nested or sparse query, key or value"
     if any(t.dim() != 4 for t in qkv):
-        return (f"query, key, value of {query.dim()}, {key.dim()}, {value.dim()} dimensions "
-                "(valid: 4, as (batch, heads, seq, head_dim))")
+        return "dims", (f"query, key, value of {query.dim()}, {key.dim()}, {value.dim()} "
+                        "dimensions (valid: 4, as (batch, heads, seq, head_dim))")
     if len({t.dtype for t in qkv}) > 1 or query.dtype not in _FLOATS:
-        return (f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (valid: all float16, "
-                "all bfloat16 or all float32)")
+        return "dtype", (f"dtypes {query.dtype}, {key.dtype}, {value.dtype} (valid: all "
+                         "float16, all bfloat16 or all float32)")
     if len({t.device for t in qkv}) > 1:
-        return f"devices {query.device}, {key.device}, {value.device} differ"
+        return "device", f"devices {query.device}, {key.device}, {value.device} differ"
     if attn_mask is not None:
-        return "attn_mask given (fp8 attention takes is_causal, no mask tensor)"
+        return "mask", "attn_mask given (fp8 attention takes is_causal, no mask tensor)"
     if dropout_p != 0.0:
-        return f"dropout_p={dropout_p!r} (fp8 attention has no dropout; valid: 0.0)"
+        return "dropout", f"dropout_p={dropout_p!r} (fp8 attention has no dropout; valid: 0.0)"
     return _check_shapes(query, key, value, enable_gqa)
 
 
-def _check_shapes(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> Optional[str]:
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor,
+                  enable_gqa: bool) -> Optional[tuple[str, str]]:
     (batch, heads, length, dim), (k_batch, k_heads, k_length, _) = query.shape, key.shape
     if key.shape != value.shape or k_batch != batch:
-        return (f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)} "
-                "(valid: k and v alike, one batch size)")
+        return "shapes", (f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v "
+                          f"{tuple(value.shape)} (valid: k and v alike, one batch size, no "
+                          "broadcasting)")
     if dim not in HEAD_DIMS or key.shape[-1] != dim:
-        return f"head_dim {dim} (valid: {', '.join(map(str, HEAD_DIMS))})"
+        return "head_dim", f"head_dim {dim} (valid: {', '.join(map(str, HEAD_DIMS))})"
     if heads != k_heads and not (enable_gqa and k_heads and heads % k_heads == 0):
-        return (f"{heads} query heads and {k_heads} key/value heads (valid: equal, or a "
-                "multiple with enable_gqa=True)")
+        return "heads", (f"{heads} query heads and {k_heads} key/value heads (valid: equal, "
+                         "or a multiple with enable_gqa=True)")
     if length == 0 or k_length == 0 or batch == 0 or heads == 0:
-        return f"an empty query {tuple(query.shape)} or key {tuple(key.shape)}"
+        return "empty", f"an empty query {tuple(query.shape)} or key {tuple(key.shape)}"
     return None
 
 
@@ -184,6 +199,14 @@ def _kernels() -> Any:
     return _attention_kernels
 
 
+def _autocast_off(device_type: str) -> Any:
+    """Autocast off on this device type (our fp32 math stays fp32); nothing to turn off on
+    one without autocast (meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _Fp8AttentionFn(torch.autograd.Function):
     """Attention with fp8 q, k, v in forward; backward from the saved fp8 operands."""
 
@@ -191,7 +214,7 @@ class _Fp8AttentionFn(torch.autograd.Function):
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, causal: bool,  # type: ignore[override]
                 scale: float, native: bool, out_dtype: torch.dtype) -> Tensor:
         impl = _kernels() if native else _Emulated
-        with torch.autocast(query.device.type, enabled=False):
+        with _autocast_off(query.device.type):
             q8, k8, v8 = (quantize_heads(t) for t in (query, key, value))
             out, lse = impl.forward(q8, k8, v8, causal, scale, out_dtype)
         ctx.save_for_backward(*q8, *k8, *v8, out, lse)
@@ -200,10 +223,13 @@ class _Fp8AttentionFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # a double backward raises instead of differentiating only grad_out
     def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient of this gradient is asked
+            raise RuntimeError("ampkit.fp8 attention has no double backward (a backward with "
+                               "create_graph=True, e.g. a gradient penalty); valid: run that "
+                               "forward with torch's attention (fp8_attention(enabled=False))")
         q_data, q_inv, k_data, k_inv, v_data, v_inv, out, lse = ctx.saved_tensors
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with _autocast_off(grad_out.device.type):
             grads = ctx.impl.backward(grad_out, Fp8(q_data, q_inv), Fp8(k_data, k_inv),
                                       Fp8(v_data, v_inv), out, lse, ctx.causal, ctx.scale)
         d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
@@ -262,10 +288,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     """
     emulate = _check_emulate(emulate)
     check_bool("is_causal", is_causal)
-    reason = check_fp8_attention(query, key, value, attn_mask, dropout_p, enable_gqa)
-    if reason is not None:
-        warn_once(("fp8-attention-fallback", reason),
-                  f"ampkit.fp8: this attention runs in high precision, not fp8: {reason}")
+    check_bool("enable_gqa", enable_gqa)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be None or a float, got {type(scale).__name__} {scale!r}")
+    why = _why_not(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if why is not None:
+        reason = why[1]
+        warn_once(("fp8-attention-fallback", why[0]),
+                  f"ampkit.fp8: this attention runs in high precision, not fp8: {reason} "
+                  "(said once per kind of reason)")
         extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
                                               scale=scale, **extra)
@@ -280,39 +311,71 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  _native(query.device, emulate), autocast_output_dtype(query))
 
 
-class _RouteAttention(TorchFunctionMode):
-    """Sends torch's scaled_dot_product_attention to ampkit's; everything else passes."""
+class _Regions(threading.local):
+    """This thread's open fp8_attention regions, innermost last, and the one routing mode
+    the outermost enabled region pushed."""
 
-    def __init__(self, emulate: Optional[bool]) -> None:
-        super().__init__()
-        self.emulate = emulate
+    def __init__(self) -> None:
+        self.entries: list[tuple[bool, Optional[bool]]] = []  # (enabled, emulate)
+        self.mode: Optional[_RouteAttention] = None
+
+
+_regions = _Regions()
+
+
+class _RouteAttention(TorchFunctionMode):
+    """Sends torch's scaled_dot_product_attention to ampkit's while the innermost region of
+    this thread is enabled; everything else passes."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:  # the mode is off inside this handler
-            return scaled_dot_product_attention(*args, **kwargs, emulate=self.emulate)
+        if func is F.scaled_dot_product_attention and _regions.entries:  # mode off in here
+            enabled, emulate = _regions.entries[-1]
+            if enabled:
+                return scaled_dot_product_attention(*args, **kwargs, emulate=emulate)
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def fp8_attention(enabled: bool = True, *, emulate: Optional[bool] = None) -> Iterator[None]:
+class fp8_attention:
     """Run every ``F.scaled_dot_product_attention`` call in this region (in this thread)
     in fp8, through :func:`scaled_dot_product_attention`.
 
     Backward may run outside the region: the fp8 recipe is recorded with the forward.
-    ``enabled=False`` makes the region a no-op, so one loop serves every precision. Each
-    torch function called in the region passes through one Python check (a few
-    microseconds of host time per op): enter it around the model's forward.
+    ``enabled=False`` makes the region a no-op (one loop serves every precision); nested
+    inside an enabled region it turns fp8 off for its body, as a nested
+    ``autocast(enabled=False)`` does. Each torch function called in an enabled region
+    passes through one Python check (a few microseconds of host time per op): enter it
+    around the model's forward.
+
+    Not routed: calls made inside another torch function that dispatches through
+    ``__torch_function__`` (``F.multi_head_attention_forward``, so ``nn.MultiheadAttention``),
+    and a recomputation under ``torch.utils.checkpoint``, which runs outside the region
+    unless given it: ``checkpoint(f, x, use_reentrant=False,
+    context_fn=lambda: (fp8_attention(), fp8_attention()))``.
 
     Example:
         >>> with fp8_attention(enabled=False):
         ...     pass
     """
-    check_bool("enabled", enabled)
-    _check_emulate(emulate)
-    if not enabled:
-        yield
-        return
-    with _RouteAttention(emulate):
-        yield
+
+    def __init__(self, enabled: bool = True, *, emulate: Optional[bool] = None) -> None:
+        self.enabled = check_bool("enabled", enabled)
+        self.emulate = _check_emulate(emulate)
+        self._pushed: list[bool] = []  # per open entry of this object: pushed the mode?
+
+    def __enter__(self) -> "fp8_attention":
+        push = self.enabled and _regions.mode is None
+        if push:
+            mode = _RouteAttention()
+            mode.__enter__()
+            _regions.mode = mode
+        _regions.entries.append((self.enabled, self.emulate))
+        self._pushed.append(push)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _regions.entries.pop()
+        if self._pushed.pop():
+            mode, _regions.mode = _regions.mode, None
+            mode.__exit__(*exc)
