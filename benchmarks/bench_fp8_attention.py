@@ -24,6 +24,7 @@ CPU smoke test). Timing: warm-up calls (Triton compiles on the first), then CUDA
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -121,7 +122,7 @@ def run_shape(name: str, device: torch.device, args: argparse.Namespace) -> list
             row["train_ms"] = timed(train, device, args.warmup, args.iters)
             row["train_peak_bytes"] = peak_bytes(train, device)
             row["fp8_kernels"] = (variant == "ampkit-fp8" and args.emulate is not True
-                                  and attention._native(device, args.emulate))
+                                  and attention.kernels_unavailable(device) is None)
         except Exception as err:  # one failing case is an error row, not the end of the run
             row.update(error_fields(err))
             free_cuda()
@@ -184,6 +185,13 @@ def print_table(doc: dict) -> None:
               f"us per op ({o['added_us_per_op']:+.2f})")
 
 
+def run_meta(device: torch.device, threads: int) -> dict:
+    return {"torch": torch.__version__, "device": str(device), "threads": threads,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "date": datetime.date.today().isoformat(), "machine": harness.machine_state(threads),
+            "kernels_unavailable": attention.kernels_unavailable(device)}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -204,12 +212,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; valid: {', '.join(SHAPES)}")
-    doc = {"meta": {"torch": torch.__version__, "device": str(device), "threads": threads,
-                    "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                                    else "cpu"),
-                    "date": __import__("datetime").date.today().isoformat(),
-                    "machine": harness.machine_state(threads)},
-           "rows": []}
+    doc = {"meta": run_meta(device, threads), "rows": []}
     with interrupted(lambda: write_json(args.json, doc), "bench_fp8_attention"):
         for name in shapes:
             doc["rows"].extend(run_shape(name, device, args))

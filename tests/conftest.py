@@ -88,6 +88,7 @@ def _reset_ampkit() -> list[str]:
     """Put every process-global of ampkit back to its import-time value; say what leaked."""
     from ampkit import _state, master, optim, overrides, scaler
     from ampkit import _warn
+    from ampkit.fp8 import attention as fp8_attention
 
     autocast = importlib.import_module("ampkit.autocast")  # ampkit.autocast is the class
 
@@ -107,6 +108,13 @@ def _reset_ampkit() -> list[str]:
     autocast._CHECKED_DEVICES.clear()
     scaler._TAKES_GRAD_SCALER.clear()
     _warn.forget()
+    regions = fp8_attention._regions
+    if regions.entries or regions.mode is not None:
+        leaks.append(f"ampkit.fp8.fp8_attention regions left open: {regions.entries}")
+        if regions.mode is not None:
+            regions.mode.__exit__(None, None, None)
+        regions.entries.clear()
+        regions.mode = None
     _clear_lru_caches()
     return leaks
 

@@ -500,7 +500,7 @@ def test_from_linear_shares_parameters():
     assert no_bias.bias is None and list(no_bias.state_dict()) == ["weight"]
 
 
-def test_emulation_warns_once_per_device_type(monkeypatch):
+def test_emulation_warns_once_per_device_type():
     _warn.forget()
     with pytest.warns(UserWarning, match=r"no fp8 tensor cores on 'cpu'; Float8Linear emulates") as rec:
         Float8Linear(32, 16)(torch.randn(2, 32))

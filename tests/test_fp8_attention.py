@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -22,7 +24,11 @@ from ampkit.fp8.scaling import E4M3, dequantize
 from _attention_interpreted import sqnr
 
 _TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not _TRITON, reason="Triton is not installed")
+needs_triton = pytest.mark.skipif(
+    not (_TRITON and importlib.metadata.version("triton").startswith(
+        _attention_interpreted.MENDED_TRITON)),
+    reason=f"needs Triton {_attention_interpreted.MENDED_TRITON}x, whose interpreter "
+           "_attention_interpreted.py mends (CI installs it)")
 fp8_cuda = pytest.mark.skipif(not (_TRITON and torch.cuda.is_available()
                                    and attention.fp8_supported("cuda")),
                               reason="needs a GPU with fp8 tensor cores and Triton")
@@ -209,6 +215,13 @@ def test_check_fp8_attention_names_the_reason(args, reason):
     assert check_fp8_attention(*qkv(**args)) == reason
 
 
+def test_check_names_both_head_dims_when_they_differ():
+    q, _, _ = qkv(dim=32)
+    _, k, v = qkv(dim=64)
+    assert check_fp8_attention(q, k, v) == ("head_dim 32 of q, 64 of k and v (valid: one of "
+                                            "32, 64, 128, 256, the same in all three)")
+
+
 def test_check_fp8_attention_reasons():
     q, k, v = qkv()
     assert check_fp8_attention(q, k, v) is None
@@ -260,9 +273,23 @@ def test_emulation_warns_once_and_emulate_true_is_silent():
 
 def test_emulate_false_without_kernels_raises():
     q, k, v = qkv()
-    with pytest.raises(RuntimeError, match=r"emulate=False needs fp8 tensor cores and Triton, but "
-                                           r"cpu .* has no fp8 tensor cores; valid: emulate=None"):
+    with pytest.raises(RuntimeError, match=r"emulate=False needs its Triton kernels, but cpu "
+                                           r"\(.*\) has no fp8 tensor cores; valid: emulate=None"):
         scaled_dot_product_attention(q, k, v, emulate=False)
+
+
+def test_kernels_need_a_hopper_class_gpu(monkeypatch):
+    from ampkit._dtypes import Capability
+
+    monkeypatch.setattr(attention, "fp8_supported", lambda device=None: True)
+    for cc, why in ((89, r"compute capability 8.9\) is not Hopper-class"), (90, None)):
+        monkeypatch.setattr(attention, "capability",
+                            lambda device=None, cc=cc: Capability("cuda:0", "GPU", True, True, True, cc))
+        got = attention.kernels_unavailable(torch.device("cuda:0"))
+        if why is None:
+            assert got is None or got == "Triton is not installed"
+        else:
+            assert re.search(why, got), got
 
 
 @pytest.mark.parametrize("call, message", [
@@ -433,9 +460,9 @@ def test_kernels_match_the_emulated_recipe(interpreted, case, dtype):
     result = interpreted["cases"][f"{case}-{dtype}"]
     assert result["out_dtype"] == f"torch.{dtype}" and result["lse_dtype"] == "torch.float32"
     # The online softmax rounds p to e4m3 against the running row max, the emulation
-    # against the final one: the same only where one block holds every key (case 2).
-    k_length = _attention_interpreted.CASES[case][4]
-    assert result["out"] > (100 if k_length <= 32 else 30)
+    # against the final one; measured 58.8, 37.3 and 142 dB to inf (case 2's second key
+    # block holds one key, whose rounding seldom differs).
+    assert result["out"] > {0: 50, 1: 33, 2: 100}[case]
     assert result["lse_max_diff"] < 1e-5 and result["shapes_match"]
     assert min(result["grads"]) > BACKWARD_SQNR[dtype]
 

@@ -166,6 +166,7 @@ class Capability:
     bf16: bool
     fp16: bool
     fp8: bool
+    compute_capability: int = 0  # CUDA's major * 10 + minor (90: Hopper); 0 elsewhere
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,7 +181,7 @@ def capability(device: Optional[str] = None) -> Capability:
     if dev.type == "cuda":
         major, minor = torch.cuda.get_device_capability(dev)
         cc = major * 10 + minor
-        return Capability(str(dev), torch.cuda.get_device_name(dev), cc >= 80, cc >= 70, cc >= 89)
+        return Capability(str(dev), torch.cuda.get_device_name(dev), cc >= 80, cc >= 70, cc >= 89, cc)
     if dev.type == "cpu":
         flags = _cpu_flags()
         bf16 = bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
@@ -197,9 +198,26 @@ def autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
     """What a low-precision-listed op (a matmul, attention) returns for input ``x``: the
     autocast dtype inside an autocast region of x's device, else x's own dtype."""
     device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and _torch_compat.is_autocast_enabled(device_type):
+    if has_autocast(device_type) and _torch_compat.is_autocast_enabled(device_type):
         return _torch_compat.get_autocast_dtype(device_type)
     return x.dtype  # also on a device without autocast (meta)
+
+
+def to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, but never a no-op ``.to`` returning ``t`` itself.
+
+    torch 2.11's dynamo mistraces an autograd.Function whose output is such an alias of
+    an intermediate: the gradient reaching backward is all zeros (weight grads of 0 under
+    torch.compile). Skipping the no-op call keeps the graph plain on every version.
+    """
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def has_autocast(device_type: str) -> bool:
+    """Whether torch.autocast takes this device type (meta does not). Assumed while
+    torch.compile traces (its fake tensors have real device types): torch 2.11's dynamo
+    cannot trace the check."""
+    return _torch_compat.is_compiling() or torch.amp.is_autocast_available(device_type)
 
 
 def fp8_supported(device: Optional[str] = None) -> bool:

@@ -34,6 +34,29 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _forward_block(q, k_base, v_base, s_kn, s_vn, s_vd, qk_scale, offs_m, offs_n, offs_d,
+                   k_length, m_i, l_i, acc, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, P_MUL: tl.constexpr):
+    """One block of keys into the online softmax: the new row max, row sum, accumulator."""
+    k = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None],
+                mask=offs_n[None, :] < k_length, other=0.0)
+    # Hopper's fp8 tensor cores add in reduced precision: each dot's sum is promoted to
+    # fp32 (max_num_imprecise_acc = its K), never carried imprecisely across blocks.
+    s = tl.dot(q, k, max_num_imprecise_acc=DIM) * qk_scale
+    valid = offs_n[None, :] < k_length
+    if CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
+                mask=offs_n[:, None] < k_length, other=0.0)
+    p_v = tl.dot((p * P_MUL).to(tl.float8e4nv), v, max_num_imprecise_acc=BLOCK_N)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + p_v
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
                     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_vd, s_ob, s_oh, s_om,
                     heads, kv_heads, length, k_length,
@@ -56,25 +79,9 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
     end = tl.minimum(k_length, start_m + BLOCK_M) if CAUSAL else k_length
     for start_n in range(0, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + offs_n[None, :] * s_kn + offs_d[:, None],
-                    mask=offs_n[None, :] < k_length, other=0.0)
-        # Hopper's fp8 tensor cores add in reduced precision: each dot's sum is promoted
-        # to fp32 (max_num_imprecise_acc = its K), never carried imprecisely across blocks.
-        s = tl.dot(q, k, max_num_imprecise_acc=DIM) * qk_scale
-        valid = offs_n[None, :] < k_length
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd,
-                    mask=offs_n[:, None] < k_length, other=0.0)
-        p_v = tl.dot((p * P_MUL).to(tl.float8e4nv), v, max_num_imprecise_acc=BLOCK_N)
-        acc = acc * alpha[:, None] + p_v
-        m_i = m_new
+        m_i, l_i, acc = _forward_block(q, k_base, v_base, s_kn, s_vn, s_vd, qk_scale, offs_m,
+                                       start_n + tl.arange(0, BLOCK_N), offs_d, k_length,
+                                       m_i, l_i, acc, DIM, BLOCK_N, CAUSAL, P_MUL)
     v_inv = tl.load(VI + b * kv_heads + hk)
     out = acc * (v_inv / P_MUL) / l_i[:, None]
     row = offs_m < length
@@ -180,20 +187,34 @@ class Launch(NamedTuple):
     num_stages: int
 
 
+_INTERPRETED = Launch(16, 32, 1, 1)  # Triton's interpreter (tests): small tiles, many blocks
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def forward_launch(dim: int) -> Launch:
     """The forward's tiles for a head dim (smaller for wide heads)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return Launch(16, 32, 1, 1)  # the interpreter (tests): small tiles run the block loops
+    if _interpreting():
+        return _INTERPRETED
     return Launch(128, 64, 8, 3) if dim <= 64 else Launch(64, 64, 4, 3)
 
 
 def backward_launch(dim: int, dtype: torch.dtype) -> Launch:
-    """The backward kernels' tiles: within an H100/H200 block's 227 KiB of shared memory
-    (fp32 operands take twice the room of 16-bit ones: fewer pipeline stages there)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return Launch(16, 32, 1, 1)
+    """The backward kernels' tiles: within a Hopper block's 227 KiB of shared memory
+    (fp32 operands take twice the room of 16-bit ones: fewer pipeline stages there).
+    Ada's 99 KiB would not hold them: attention.py runs the kernels on Hopper and later."""
+    if _interpreting():
+        return _INTERPRETED
     stages = 1 if dtype == torch.float32 and dim >= 128 else 2
     return Launch(64, 64, 4, stages) if dim <= 128 else Launch(32, 64, 4, 1)
+
+
+def precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for backward operands of ``dtype``: fp32 multiplies in
+    IEEE fp32, not tf32 (Triton's default for fp32 operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _strides(t: Tensor) -> tuple[int, int, int]:
@@ -241,23 +262,21 @@ def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
 
 def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tensor,
              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 (dQ, dK, dV); dK and dV summed over each key/value head's query heads."""
+    """fp32 (dQ, dK, dV), dK and dV per query head (a grouped-query caller sums them)."""
     q, k, v = (_last_dim_contiguous(t.data) for t in (q8, k8, v8))
     d_o = _last_dim_contiguous(grad_out)
     batch, heads, length, dim = q.shape
     kv_heads, k_length = k.shape[1], k.shape[2]
     delta = (d_o.float() * out.float()).sum(-1).contiguous()
     d_q = torch.empty((batch, heads, length, dim), dtype=torch.float32, device=q.device)
-    # Grouped-query: a dK, dV per query head (each program owns its rows), summed below.
+    # Grouped-query: a dK, dV per query head (each program owns its rows).
     d_k = torch.empty((batch, heads, k_length, dim), dtype=torch.float32, device=q.device)
     d_v = torch.empty_like(d_k)
     launch = backward_launch(dim, grad_out.dtype)
     common = (*_inverse_scales(q8, k8, v8), d_o, lse.contiguous(), delta)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(d_o))
-    # fp32 operands multiply in fp32, not tf32 (Triton's default for them).
     meta = dict(DIM=dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CAUSAL=causal,
-                DT=_TL_DTYPES[grad_out.dtype],
-                PREC="ieee" if grad_out.dtype == torch.float32 else "tf32",
+                DT=_TL_DTYPES[grad_out.dtype], PREC=precision(grad_out.dtype),
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
     sizes = (heads, kv_heads, length, k_length)
     with _on_device(q):
@@ -265,8 +284,4 @@ def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tens
             q, k, v, *common, d_k, d_v, scale, *strides, *sizes, **meta)
         _dq_kernel[(triton.cdiv(length, launch.block_m), batch * heads)](
             q, k, v, *common, d_q, scale, *strides, *sizes, **meta)
-    if heads != kv_heads:
-        group = heads // kv_heads
-        d_k = d_k.reshape(batch, kv_heads, group, k_length, dim).sum(2)
-        d_v = d_v.reshape(batch, kv_heads, group, k_length, dim).sum(2)
     return d_q, d_k, d_v

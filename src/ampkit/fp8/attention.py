@@ -15,15 +15,15 @@ The recipe, on every path:
   kernels' online softmax rounds them against the running row max, the emulation against
   the final one: where a row spans several key blocks the roundings differ (both are
   equally close to exact attention).
-- Backward runs in the forward's compute dtype (bf16, fp16 or fp32 operands, fp32
-  accumulation) from the saved fp8 q, k, v, the output and the row log-sum-exp, as
-  flash attention's backward does. Gradients pass the casts unchanged (straight-through),
+- Backward runs from the saved fp8 q, k, v, the output and the row log-sum-exp, as
+  flash attention's backward does: the kernels multiply operands of the forward's compute
+  dtype (bf16, fp16; fp32 in IEEE fp32) with fp32 accumulation, the emulation all in fp32. Gradients pass the casts unchanged (straight-through),
   as Float8Linear's do. Saved per element: 3 bytes of fp8 q, k, v (torch's bf16 attention
   saves q, k, v and the output, 8 bytes; the output is saved by the next layer anyway).
 - A non-finite value in q, k or v makes its whole (batch, head) NaN (a loss scaler then
   skips the step); no double backward, no torch.func transforms.
 
-Paths: on a GPU with fp8 tensor cores and Triton installed, fused Triton kernels
+Paths: on a Hopper-class GPU with Triton installed, fused Triton kernels
 (``_attention_kernels.py``: a flash-attention forward on fp8 tensor cores and a backward
 that never materialises the (L, S) score matrix). Elsewhere the recipe is emulated in fp32
 on the materialised score matrix: the numerics, not the speed.
@@ -31,7 +31,8 @@ on the materialised score matrix: the numerics, not the speed.
 What runs in fp8: 4-D ``(batch, heads, seq, head_dim)`` q, k, v of one floating dtype and
 device, the same head_dim (32, 64, 128 or 256) in all three, no ``attn_mask`` (``is_causal``
 is fine), ``dropout_p=0``, and grouped-query attention (``enable_gqa``). Any other call runs
-torch's attention unchanged, with a warning naming why (once per kind of reason):
+torch's attention unchanged (whatever ``emulate`` says), with a warning naming why (once
+per kind of reason; none while torch.compile traces):
 :func:`check_fp8_attention` says it beforehand.
 
 Example:
@@ -60,7 +61,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .._checks import check_bool
-from .._dtypes import autocast_output_dtype, capability, fp8_supported
+from .._dtypes import autocast_output_dtype, capability, fp8_supported, has_autocast, to_dtype
 from .._warn import warn_once
 from .scaling import ATTENTION_P_SCALE as P_SCALE
 from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
@@ -112,8 +113,12 @@ def _check_shapes(query: Tensor, key: Tensor, value: Tensor,
         return "shapes", (f"shapes q {tuple(query.shape)}, k {tuple(key.shape)}, v "
                           f"{tuple(value.shape)} (valid: k and v alike, one batch size, no "
                           "broadcasting)")
-    if dim not in HEAD_DIMS or key.shape[-1] != dim:
-        return "head_dim", f"head_dim {dim} (valid: {', '.join(map(str, HEAD_DIMS))})"
+    valid = ", ".join(map(str, HEAD_DIMS))
+    if key.shape[-1] != dim:
+        return "head_dim", (f"head_dim {dim} of q, {key.shape[-1]} of k and v (valid: one of "
+                            f"{valid}, the same in all three)")
+    if dim not in HEAD_DIMS:
+        return "head_dim", f"head_dim {dim} (valid: {valid})"
     if heads != k_heads and not (enable_gqa and k_heads and heads % k_heads == 0):
         return "heads", (f"{heads} query heads and {k_heads} key/value heads (valid: equal, "
                          "or a multiple with enable_gqa=True)")
@@ -171,13 +176,13 @@ class _Emulated:
         p8 = (p * P_SCALE).to(E4M3)  # <= 256: no saturation
         v = _expand_heads(dequantize(v8), s.shape[1])
         out = (p8.float() @ v) / (rowsum * P_SCALE)
-        return out.to(out_dtype), (rowmax + rowsum.log()).squeeze(-1)
+        return to_dtype(out, out_dtype), (rowmax + rowsum.log()).squeeze(-1)
 
     @staticmethod
     def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tensor,
                  causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         s = _Emulated.scores(q8, k8, causal, scale)
-        heads, kv_heads = s.shape[1], k8.data.shape[1]
+        heads = s.shape[1]
         p = torch.exp(s - lse.unsqueeze(-1))
         d_out = grad_out.float()
         delta = (d_out * out.float()).sum(-1, keepdim=True)
@@ -185,7 +190,7 @@ class _Emulated:
         d_s = p * (d_out @ _expand_heads(dequantize(v8), heads).transpose(-2, -1) - delta)
         d_q = (d_s @ _expand_heads(dequantize(k8), heads)) * scale
         d_k = (d_s.transpose(-2, -1) @ dequantize(q8)) * scale
-        return d_q, _sum_heads(d_k, kv_heads), _sum_heads(d_v, kv_heads)
+        return d_q, d_k, d_v  # dK, dV per query head, as the kernels give them
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,7 +207,7 @@ def _kernels() -> Any:
 def _autocast_off(device_type: str) -> Any:
     """Autocast off on this device type (our fp32 math stays fp32); nothing to turn off on
     one without autocast (meta)."""
-    if torch.amp.is_autocast_available(device_type):
+    if has_autocast(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -232,25 +237,41 @@ class _Fp8AttentionFn(torch.autograd.Function):
         with _autocast_off(grad_out.device.type):
             grads = ctx.impl.backward(grad_out, Fp8(q_data, q_inv), Fp8(k_data, k_inv),
                                       Fp8(v_data, v_inv), out, lse, ctx.causal, ctx.scale)
-        d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        d_q, d_k, d_v = (to_dtype(g, dtype) for g, dtype in zip(
+            (grads[0], *(_sum_heads(g, k_data.shape[1]) for g in grads[1:])), ctx.dtypes))
         return d_q, d_k, d_v, None, None, None, None
+
+
+def kernels_unavailable(device: torch.device) -> Optional[str]:
+    """Why the Triton kernels cannot run on ``device`` (None when they can): they need
+    Triton, fp8 tensor cores and, for their tiles, a Hopper-class GPU's shared memory
+    (compute capability 9.0 or more; Ada's 99 KiB per block would not hold them)."""
+    cap = capability(str(device))
+    if not fp8_supported(str(device)):
+        return f"{device} ({cap.name}) has no fp8 tensor cores"
+    if cap.compute_capability < 90:
+        return (f"{device} ({cap.name}, compute capability {cap.compute_capability / 10}) is not "
+                "Hopper-class (9.0 or more), whose shared memory the kernels' tiles need")
+    if not _triton_available():
+        return "Triton is not installed"
+    return None
 
 
 def _native(device: torch.device, emulate: Optional[bool]) -> bool:
     """Whether the Triton kernels run this call (decided per call, on q's device)."""
     if emulate is True:
         return False
-    if fp8_supported(str(device)) and _triton_available():
+    why = kernels_unavailable(device)
+    if why is None:
         return True
     if emulate is False:
-        why = ("Triton is not installed" if fp8_supported(str(device)) else
-               f"{device} ({capability(str(device)).name}) has no fp8 tensor cores")
-        raise RuntimeError(f"fp8 attention with emulate=False needs fp8 tensor cores and Triton, "
-                           f"but {why}; valid: emulate=None or True there")
+        raise RuntimeError(f"fp8 attention with emulate=False needs its Triton kernels, but {why}; "
+                           "valid: emulate=None or True there")
     if device.type != "meta":
         warn_once(("fp8-attention-emulation", device.type),
-                  f"ampkit.fp8: no fp8 attention kernel on {device.type!r}; attention is emulated "
-                  "there (same numerics, no speed-up). Pass emulate=True to silence this.")
+                  f"ampkit.fp8: no fp8 attention kernel on {device.type!r} ({why}); attention "
+                  "is emulated there (same numerics, no speed-up). Pass emulate=True to "
+                  "silence this.")
     return False
 
 
@@ -272,9 +293,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as for
             torch's function; a call fp8 cannot run (:func:`check_fp8_attention`) runs
             torch's attention instead, with a warning naming why.
-        emulate: None: the Triton kernels where they run (a GPU with fp8 tensor cores and
-            Triton), else emulation with a one-time warning; True: always emulate; False:
-            RuntimeError where the kernels cannot run.
+        emulate: None: the Triton kernels where they run (:func:`kernels_unavailable`),
+            else emulation with a one-time warning; True: always emulate; False:
+            RuntimeError where the kernels cannot run (a call that falls back to torch's
+            attention does so whatever ``emulate`` says).
 
     Returns:
         The attention output, in the autocast dtype inside an autocast region (as torch's),

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from .._dtypes import autocast_output_dtype, capability, fp8_supported
+from .._dtypes import autocast_output_dtype, capability, fp8_supported, to_dtype
 from .._torch_compat import AfterApply, is_compiling, scaled_mm, unsafe_view
 from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
@@ -76,19 +76,9 @@ def fp8_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, native: bool,
         out = _scaled_mm(a, b, gemm_dtype, fast_accum)
     else:
         # Scales applied to the fp32 accumulator, as the GEMM epilogue does.
-        out = _to(torch.mm(a.data.float(), b.data.float()) * (a.inv_scale * b.inv_scale),
+        out = to_dtype(torch.mm(a.data.float(), b.data.float()) * (a.inv_scale * b.inv_scale),
                   gemm_dtype)
-    return _to(out, out_dtype)
-
-
-def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)``, but never a no-op ``.to`` returning ``t`` itself.
-
-    torch 2.11's dynamo mistraces an autograd.Function whose output is such an alias of
-    an intermediate: the gradient reaching backward is all zeros (weight grads of 0 under
-    torch.compile). Skipping the no-op call keeps the graph plain on every version.
-    """
-    return t if t.dtype == dtype else t.to(dtype)
+    return to_dtype(out, out_dtype)
 
 
 def _scaled_mm(a: Fp8, b: Fp8, out_dtype: torch.dtype, fast_accum: bool) -> Tensor:
