@@ -34,6 +34,26 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
+def _program_heads(heads, kv_heads):
+    """This program's (batch x query head, batch, query head, key/value head), in 64 bits:
+    offsets of batch * heads * seq * dim elements may pass 2**31."""
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    return bh, b, h, h // (heads // kv_heads)
+
+
+@triton.jit
+def _load_grad_rows(do_base, lse_base, delta_base, offs_m, length, offs_d, s_om,
+                    DT: tl.constexpr):
+    """dO (rows, DIM) in DT, and the rows' lse and rowsum(dO * O), for one query block."""
+    rows = offs_m < length
+    d_o = tl.load(do_base + offs_m[:, None] * s_om + offs_d[None, :], mask=rows[:, None],
+                  other=0.0).to(DT)
+    lse = tl.load(lse_base + offs_m, mask=rows, other=0.0)
+    return d_o, lse, tl.load(delta_base + offs_m, mask=rows, other=0.0)
+
+
+@triton.jit
 def _forward_block(q, k_base, v_base, s_kn, s_vn, s_vd, qk_scale, offs_m, offs_n, offs_d,
                    k_length, m_i, l_i, acc, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, P_MUL: tl.constexpr):
@@ -63,9 +83,7 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
                     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, P_MUL: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets: batch*heads*seq*dim may pass 2**31
-    b, h = bh // heads, bh % heads
-    hk = h // (heads // kv_heads)
+    bh, b, h, hk = _program_heads(heads, kv_heads)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DIM)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
@@ -106,9 +124,7 @@ def _dkdv_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DK, DV, sm_scale,
                  DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // heads, bh % heads
-    hk = h // (heads // kv_heads)
+    bh, b, h, hk = _program_heads(heads, kv_heads)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DIM)
     k = _load_dequantised(K + b * s_kb + hk * s_kh, offs_n, k_length, offs_d, s_kn,
@@ -122,10 +138,8 @@ def _dkdv_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DK, DV, sm_scale,
     for start_m in range(lo, length, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_dequantised(q_base, offs_m, length, offs_d, s_qm, q_inv, DT)
-        d_o = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
-                      mask=offs_m[:, None] < length, other=0.0).to(DT)
-        lse = tl.load(Lse + bh * length + offs_m, mask=offs_m < length, other=0.0)
-        delta = tl.load(Delta + bh * length + offs_m, mask=offs_m < length, other=0.0)
+        d_o, lse, delta = _load_grad_rows(DO + b * s_ob + h * s_oh, Lse + bh * length,
+                                          Delta + bh * length, offs_m, length, offs_d, s_om, DT)
         # Transposed (keys x queries): dV and dK accumulate over the rows of this program.
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * sm_scale
         valid = (offs_n[:, None] < k_length) & (offs_m[None, :] < length)
@@ -147,18 +161,14 @@ def _dq_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DQ, sm_scale,
                DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // heads, bh % heads
-    hk = h // (heads // kv_heads)
+    bh, b, h, hk = _program_heads(heads, kv_heads)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DIM)
     rows = offs_m[:, None] < length
     q = _load_dequantised(Q + b * s_qb + h * s_qh, offs_m, length, offs_d, s_qm,
                           tl.load(QI + b * heads + h), DT)
-    d_o = tl.load(DO + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :],
-                  mask=rows, other=0.0).to(DT)
-    lse = tl.load(Lse + bh * length + offs_m, mask=offs_m < length, other=0.0)
-    delta = tl.load(Delta + bh * length + offs_m, mask=offs_m < length, other=0.0)
+    d_o, lse, delta = _load_grad_rows(DO + b * s_ob + h * s_oh, Lse + bh * length,
+                                      Delta + bh * length, offs_m, length, offs_d, s_om, DT)
     k_base, k_inv = K + b * s_kb + hk * s_kh, tl.load(KI + b * kv_heads + hk)
     v_base, v_inv = V + b * s_vb + hk * s_vh, tl.load(VI + b * kv_heads + hk)
     d_q = tl.zeros([BLOCK_M, DIM], tl.float32)
