@@ -60,6 +60,7 @@ def test_version_help_and_info_run_as_a_user_would(capsys):
     info = capsys.readouterr().out
     assert f"torch {torch.__version__}" in info
     assert "device: cpu" in info and "native bf16:" in info
+    assert "fp8 attention: emulated: cpu (" in info and "has no fp8 tensor cores" in info
     policy, reason = recommend_policy("cpu")
     assert f"recommended policy: {policy} ({reason})" in " ".join(info.split())
 
