@@ -402,3 +402,64 @@ def test_a_decorator_above_staticmethod_decorates_its_function():
     x = torch.ones(1, dtype=torch.bfloat16)
     with autocast("cpu", dtype=torch.bfloat16):
         assert C().st(x).dtype is C.st(x).dtype is torch.float32
+
+
+# --- torch.compile ------------------------------------------------------------------------
+
+def _region_with_override(a, b):
+    with autocast("cpu", dtype=torch.bfloat16):
+        return torch.mm(a, b), torch.addmm(a, a, b)
+
+
+def _dynamo_traces_regions() -> bool:
+    """torch 2.13's dynamo traces ampkit.autocast's switches; 2.5 and 2.11 break the graph."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(_region_with_override, backend="eager", fullgraph=True)(torch.ones(2, 2),
+                                                                               torch.ones(2, 2))
+    except torch._dynamo.exc.Unsupported:
+        return False
+    return True
+
+
+def test_compiled_fullgraph_region_traces_whole_inside_an_eager_region():
+    """The overrides are in place already: entering the traced region puts nothing in
+    place, so it must trace. It failed on the registry's lock, which dynamo cannot trace."""
+    if not _dynamo_traces_regions():
+        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace an ampkit.autocast region")
+    torch._dynamo.reset()
+    original = torch.mm
+    ampkit.register_float_function(torch, "mm")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    eager = _region_with_override(a, b)
+    assert [t.dtype for t in eager] == [torch.float32, torch.bfloat16]
+    compiled = torch.compile(_region_with_override, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        with autocast("cpu", dtype=torch.bfloat16):
+            got = compiled(a, b)
+            assert torch.mm is not original  # in place while the outer region is open
+        assert all(g.dtype is e.dtype and torch.equal(g, e) for g, e in zip(got, eager))
+        assert torch.mm is original and overrides._open_regions == []
+
+
+def test_compiled_region_that_must_put_overrides_in_place_breaks_the_graph():
+    """Putting a wrapper in place cannot be traced (dynamo would replay the attribute write
+    after every call): the graph breaks there, so the region runs eagerly and correctly,
+    and under fullgraph=True the error says what to do."""
+    traced = _dynamo_traces_regions()
+    torch._dynamo.reset()
+    original = torch.mm
+    ampkit.register_float_function(torch, "mm")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    eager = _region_with_override(a, b)
+    if traced:  # elsewhere dynamo breaks the graph at the region's first switch already
+        with pytest.raises(torch._dynamo.exc.Unsupported,
+                           match="enter the ampkit.autocast region outside the compiled function"):
+            torch.compile(_region_with_override, backend="aot_eager", fullgraph=True)(a, b)
+        assert torch.mm is original and overrides._open_regions == overrides._local.frames == []
+        torch._dynamo.reset()
+    compiled = torch.compile(_region_with_override, backend="aot_eager")
+    for _ in range(2):
+        got = compiled(a, b)
+        assert all(g.dtype is e.dtype and torch.equal(g, e) for g, e in zip(got, eager))
+        assert torch.mm is original and overrides._open_regions == []

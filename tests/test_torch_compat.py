@@ -145,6 +145,26 @@ def _is_compiling() -> None:
     _check("is_compiling", seen == [True], f"saw {seen} while dynamo traced, not [True]")
 
 
+def _graph_break() -> None:
+    """Two graphs around the break, and the eager code between them runs once per call."""
+    graphs, between = [], []
+
+    def f(x):
+        x = x + 1
+        tc.graph_break("a reason")
+        between.append(1)
+        return x * 2
+
+    def count(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tc.dynamo_reset()
+    out = torch.compile(f, backend=count)(torch.ones(1))
+    _check("graph_break", len(graphs) == 2 and between == [1] and out.item() == 4.0,
+           f"{len(graphs)} graphs, the code between ran {len(between)} times, out {out}")
+
+
 def _import_dynamo() -> None:
     tc.import_dynamo()
     _check("import_dynamo", "torch._dynamo" in sys.modules, "torch._dynamo not imported")
@@ -467,7 +487,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "clear_autocast_cache": _autocast_switches,
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
-    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "import_dynamo": _import_dynamo,
+    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,

@@ -46,7 +46,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "graph_break", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     "unsafe_view",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
@@ -180,6 +180,23 @@ def dynamo_reset() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+# Force a graph break (2.0; the message argument since 2.6).
+TORCH_PATHS.append("torch._dynamo.graph_break")
+_GRAPH_BREAK_TAKES_MSG = TORCH_VERSION >= (2, 6)
+
+
+def graph_break(reason: str) -> None:
+    """Break dynamo's graph here; called only while it traces, so dynamo is imported.
+
+    The reason shows in the error under ``fullgraph=True`` (torch >= 2.6 takes it; 2.5's
+    ``graph_break`` takes no message, and the error shows the calling line instead).
+    """
+    if _GRAPH_BREAK_TAKES_MSG:
+        torch._dynamo.graph_break(reason)
+    else:
+        torch._dynamo.graph_break()
 
 
 def import_dynamo() -> None:

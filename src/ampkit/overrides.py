@@ -35,7 +35,7 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
 from ._dtypes import cast_tree
-from ._torch_compat import get_autocast_dtype, is_autocast_enabled
+from ._torch_compat import get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,10 +74,9 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     """Enter an ampkit.autocast region in this thread (installs overrides on the first)."""
     _local.frames.append((device_type, dtype, enabled))  # a plain tuple: cheapest to build
     _open_regions.append(None)
-    if _registry:  # under the lock: a concurrent last-region exit may be uninstalling
+    if _registry:
         try:
-            with _lock:
-                _sync_installed()
+            _sync_installed_locked()
         except BaseException:
             pop_frame()  # an override could not be put in place: this region never opened
             raise
@@ -88,8 +87,27 @@ def pop_frame() -> None:
     _local.frames.pop()
     _open_regions.pop()
     if _registry and not _open_regions:
-        with _lock:
-            _sync_installed()
+        _sync_installed_locked()
+
+
+def _sync_installed_locked() -> None:
+    """_sync_installed under _lock: a concurrent last-region exit may be uninstalling.
+
+    While torch.compile traces, nothing may be put in place: dynamo guards on the module
+    attribute it read, and would replay the writes after every call of the graph. Where
+    the overrides are in place already (a region open outside the compiled function) or
+    stay out, there is nothing to do and the region traces into the graph; where they
+    would have to be put in place or taken out, the graph breaks, and the region is
+    entered (or left) eagerly under the lock.
+    """
+    if is_compiling():
+        if bool(_open_regions) != _installed:
+            graph_break("ampkit.autocast: overrides are registered and must be put in place "
+                        "here; enter the ampkit.autocast region outside the compiled function "
+                        "to trace it whole (fullgraph=True)")
+        return
+    with _lock:
+        _sync_installed()
 
 
 def _sync_installed() -> None:
