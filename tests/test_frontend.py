@@ -1118,3 +1118,46 @@ def test_a_model_cast_to_half_before_an_fp32_level_is_warned_about(level):
         warnings.simplefilter("error")
         initialize(_model().half(), opt_level="O2", half_dtype=torch.float16)  # masters: fine
         initialize(_model(), opt_level=level)
+
+
+# --- O3 fp16 and an optimizer's eps ----------------------------------------------------------
+
+def _o3_adamw(eps: float, **kwargs):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = initialize(model, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    return model, opt, [str(w.message) for w in caught if "rounds to 0 in fp16" in str(w.message)]
+
+
+def _o3_step(model, opt) -> torch.Tensor:
+    x, y = _batch(0)
+    loss = F.mse_loss(model(x.half()).float(), y)
+    opt.zero_grad()
+    with scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def test_o3_fp16_warns_when_adams_eps_rounds_to_zero_and_says_why():
+    """torch's default eps=1e-8 is below fp16's smallest subnormal: the foreach step
+    divides by zero where a small gradient's square underflowed, and the first step writes
+    NaN into the weights (no loss scale can catch it): initialize says so, once."""
+    model, opt, said = _o3_adamw(1e-8)
+    assert len(said) == 1 and "AdamW" in said[0] and "eps=1e-08" in said[0] and "eps=1e-4" in said[0]
+    assert not _o3_step(model, opt).isfinite().all()  # what the warning foretells
+    for eps, kwargs in [(1e-4, {}), (1e-8, {"fused": True})]:  # fused: fp32 inside the step
+        model, opt, said = _o3_adamw(eps, **kwargs)
+        assert said == [] and _o3_step(model, opt).isfinite().all()
+
+
+@pytest.mark.parametrize("level, half", [("O2", torch.float16), ("O3", torch.bfloat16)])
+def test_masters_or_bf16_give_no_eps_warning(level, half):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), eps=1e-8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+    assert not [w for w in caught if "rounds to 0 in fp16" in str(w.message)]

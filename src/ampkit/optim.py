@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import register_optimizer_step_pre_hook
+from ._warn import warn_once
 from .master import MASTER_MARK, MasterWeights
 
 ATTR = "_amp_stash"
@@ -98,6 +99,7 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         _refuse_orphans_once()
     else:
         _recast_state(optimizer)
+        _warn_if_eps_vanishes(optimizer)
     setattr(optimizer, ATTR, stash)
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
@@ -105,6 +107,33 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
     optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
         _add_param_group, optimizer)
     return stash
+
+
+def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer) -> None:
+    """Warn where the optimizer steps fp16 params itself with an ``eps`` fp16 rounds to 0.
+
+    Adam's (and RMSprop's, Adagrad's) state is then fp16 too, and its for-loop and
+    foreach steps compute in fp16: the square of a gradient below about 5e-3 underflows
+    to a zero second moment, and the update divides by ``sqrt(0) + 0``: inf or NaN
+    reaches the weight at the first step, which no loss scale can catch (apex's O3 did
+    the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused
+    step computes in fp32 and is spared.
+    """
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        if (not group.get("fused") and isinstance(eps, (int, float))
+                and not isinstance(eps, bool) and eps > 0
+                and float(torch.tensor(eps, dtype=torch.float16)) == 0
+                and any(p.dtype == torch.float16 for p in group["params"])):
+            name = type(optimizer).__name__
+            warn_once(("fp16 eps", name, eps),
+                      f"{name} steps fp16 parameters itself (no fp32 master weights) with "
+                      f"eps={eps:g}, which rounds to 0 in fp16: wherever a gradient's square "
+                      "underflows (gradients below about 5e-3) its update divides by zero, and "
+                      "inf or NaN reaches the weights at the first step. Use eps=1e-4 (ampkit "
+                      "bench's choice for fp16 AdamW), fused=True (it computes in fp32), or "
+                      "opt_level='O2' for fp32 masters")
+            return
 
 
 def attach_master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights:
