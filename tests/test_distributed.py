@@ -215,12 +215,31 @@ def test_shard_refuses_bad_input_before_anything_changes(one_rank, kwargs, error
     assert _unchanged(model, before)
 
 
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_shard_groups_a_sequentials_layers(one_rank):
+    """A Sequential's layers are its blocks; it was refused for lacking a ModuleList."""
+    stack = shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16)),
+                                nn.Linear(16, 4)), "bf16-mixed")
+    assert _fsdp_modules(stack) == ["", "0", "2", "3"]  # the ReLU holds no parameters
+    assert stack(torch.randn(2, 8)).dtype == F32
+    nested = nn.Sequential(nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 8)]))
+    assert _fsdp_modules(shard(nested, "bf16-mixed")) == ["", "1.0"]  # a ModuleList first
+
+
 def test_shard_refuses_a_model_without_blocks_a_sharded_or_initialized_one(one_rank):
-    flat = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
-    with pytest.raises(ValueError, match=r"Sequential has no nn.ModuleList of blocks.*valid: "
-                                         r"pass modules=.*'0', '1'.*modules=\[\]"):
+    flat = _Flat()
+    with pytest.raises(ValueError, match=r"_Flat has no nn.ModuleList of blocks.*valid: "
+                                         r"pass modules=.*'fc', 'act'.*modules=\[\]"):
         shard(flat, "bf16-mixed")
-    assert _fsdp_modules(flat) == [] and flat[0].weight.dtype == F32
+    assert _fsdp_modules(flat) == [] and flat.fc.weight.dtype == F32
     model = shard(Net(), "bf16-mixed")
     with pytest.raises(ValueError, match="already sharded"):
         shard(model, "bf16-mixed")

@@ -82,7 +82,8 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
             patterns over ``model.named_modules()`` ("layers.*", "encoder.block_?"), or
             nn.Module subclasses. A match inside another match joins it; a ModuleList or
             ModuleDict stands for its children. None: the children of the first
-            non-empty nn.ModuleList in the model; ``[]``: the root group only.
+            non-empty nn.ModuleList in the model, else, where the model is an
+            nn.Sequential, its children that hold parameters; ``[]``: the root group only.
         fp8_all_gather: the weights of tensorwise ``Float8Linear`` layers are cast to
             fp8 on each shard (with the scale of the whole weight's amax) and
             all-gathered in fp8: 1 byte per element instead of 2 or 4, and the same fp8
@@ -95,7 +96,7 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
 
     Raises:
         ValueError: an unknown policy, a pattern that matches no module, a model without
-            a ModuleList of blocks and no ``modules``, or an already sharded or
+            blocks (a ModuleList, or a Sequential's layers) and no ``modules``, or an already sharded or
             initialized model; raised before anything changes.
         TypeError: a model, mesh, ``modules`` item or ``fp8_all_gather`` of the wrong
             type; raised before anything changes.
@@ -181,9 +182,16 @@ def _select_blocks(model: nn.Module, modules: Optional[Modules]) -> list[str]:
 
 
 def _default_blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> list[str]:
+    """The first non-empty ModuleList's children; for a model that is an nn.Sequential
+    and holds no ModuleList, its children with parameters (its layers are its blocks)."""
     for name, module in named:
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             return [f"{name}.{child}" for child, _ in module.named_children()]
+    if isinstance(model, nn.Sequential):
+        layers = [name for name, child in model.named_children()
+                  if next(child.parameters(), None) is not None]
+        if layers:
+            return layers
     raise ValueError(f"shard: {type(model).__name__} has no nn.ModuleList of blocks to shard "
                      "one by one (modules=None); valid: pass modules= names or fnmatch patterns, "
                      f"e.g. {_examples(named)}, or modules=[] for one group at the root")
