@@ -313,6 +313,21 @@ def test_frozen_weight_gets_no_gradient(recipe):
     assert gw_a is None and torch.equal(gx_a, gx_b)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_double_backward_raises_instead_of_dropping_the_weights_path(recipe):
+    """A gradient penalty (create_graph=True) got gradients built from detached fp8
+    copies: silently without every path through the weight (or torch's unrelated
+    "does not require grad" for a lone layer)."""
+    _, fp8 = layer_pair(recipe)
+    model = nn.Sequential(fp8, nn.Tanh(), Float8Linear(32, 16, config=fp8.config))
+    x = torch.randn(8, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"Float8Linear has no double backward.*"
+                                           r"create_graph=True.*valid: keep the layers"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    gx, = torch.autograd.grad(model(x).sum(), x)  # a plain backward still works
+    assert gx.shape == x.shape and gx.isfinite().all()
+
+
 def test_input_without_grad_skips_grad_input():
     _, fp8 = layer_pair("tensorwise")
     fp8(torch.randn(8, 64)).sum().backward()

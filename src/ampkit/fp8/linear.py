@@ -170,6 +170,13 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: a gradient of this gradient is asked
+            # The gradients come from detached fp8 copies: a graph of them would silently
+            # lack every path through the weight.
+            raise RuntimeError("Float8Linear has no double backward (a backward with "
+                               "create_graph=True, e.g. a gradient penalty); valid: keep the "
+                               "layers that penalty differentiates through out of fp8 "
+                               "(convert_to_fp8(..., module_filter=...))")
         state, native = ctx.state, ctx.native
         (x_dtype, w_dtype), (need_x, need_w) = ctx.dtypes, ctx.needs_input_grad[:2]
         grad_x = grad_w = None
