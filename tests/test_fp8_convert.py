@@ -178,6 +178,37 @@ def test_converting_after_initialize_keeps_fp32_checkpoints_and_loads_into_maste
     assert torch.equal(model[0].weight, checkpoint["0.weight"].bfloat16())
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_initialize_after_converting_keeps_the_amax_histories_fp32(level, half):
+    """initialize's cast set the buffers without after_apply: the delayed histories
+    became half (an amax of 3.01 stored as 3.0156), and fp8_state_dict of one build order
+    would not load into the other."""
+    import ampkit
+    from ampkit.fp8 import fp8_state_dict, load_fp8_state_dict
+
+    def build(convert_first: bool) -> nn.Module:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if convert_first:
+            convert_to_fp8(model, recipe=EMU["delayed"])
+        model, _ = ampkit.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+        if not convert_first:
+            convert_to_fp8(model, recipe=EMU["delayed"])
+        return model
+
+    first, second = build(True), build(False)
+    for model in (first, second):
+        assert model[0].weight.dtype == half
+        assert {model[0].amax_history_input.dtype, model[0].amax_history_weight.dtype,
+                model[0].amax_history_grad_output.dtype} == {torch.float32}
+    x = torch.randn(4, 32) * 3.01
+    first(x.to(half)).float().sum().backward()
+    assert first[0].amax_history_input[0] == x.to(half).abs().max().float()
+    load_fp8_state_dict(second, fp8_state_dict(first))
+    assert torch.equal(second[0].amax_history_input, first[0].amax_history_input)
+
+
 def test_a_swapped_layer_keeps_the_hooks_registered_on_it():
     model = make_model()
     seen = []

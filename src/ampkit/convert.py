@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree
 from ._torch_compat import (
+    AfterApply,
     BatchNormBase,
     local_buffers,
     local_parameters,
@@ -89,6 +90,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype, *,
             for name, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.is_floating_point() and buf.dtype != target:
                     setattr(module, name, buf.to(target))
+            if isinstance(module, AfterApply):  # as after .half(): fp8 histories stay fp32
+                module.after_apply()
     return model
 
 
