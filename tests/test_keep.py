@@ -123,6 +123,19 @@ def test_bad_selectors_and_late_calls_are_refused():
         ampkit.keep_fp32(model, "head")
 
 
+def test_keeping_a_module_already_in_fp8_is_refused():
+    """It was accepted, and the layer went on computing in fp8 behind fp32 outputs."""
+    model = Net()
+    convert_to_fp8(model, recipe=ampkit.fp8.Float8Config("tensorwise", emulate=True))
+    with pytest.raises(ValueError, match=r"module 'body' already computes in fp8 \('body.0'.*"
+                                         r"valid: call keep_fp32 before convert_to_fp8"):
+        ampkit.keep_fp32(model, ["head", "body"])
+    assert ampkit.keep.kept_names(model) == []  # refused before anything changed
+    with pytest.raises(ValueError, match=r"module 'head' already computes in fp8"):
+        ampkit.initialize(model, opt_level="O2", keep_fp32=["head"], verbosity=0)
+    assert model.head.weight.dtype == F32 and ampkit.keep.kept_names(model) == []
+
+
 def test_convert_to_fp8_skips_kept_modules():
     model = Net()
     ampkit.keep_fp32(model, "head")

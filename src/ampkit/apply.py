@@ -88,7 +88,10 @@ def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[st
         if isinstance(selector, str) and not any(
                 keep.select(model, selector, strict=False) for model in models):
             keep.select(models[0], selector)  # raises, naming the pattern and real names
-    return [keep.select(model, modules, strict=False) for model in models]
+    selections = [keep.select(model, modules, strict=False) for model in models]
+    for model, names in zip(models, selections):
+        keep.check_not_fp8(model, names)
+    return selections
 
 
 def apply_policy(policy: Union[Policy, str], models: ModelArg,

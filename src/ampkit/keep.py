@@ -55,9 +55,10 @@ def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
         ``model``, with the selection replacing any earlier one.
 
     Raises:
-        ValueError: a pattern or name matches no module (the message lists some), or a
+        ValueError: a pattern or name matches no module (the message lists some), a
             selected module already has half parameters (``initialize`` ran: select
-            before it, or pass ``initialize(..., keep_fp32=...)``).
+            before it, or pass ``initialize(..., keep_fp32=...)``), or already holds fp8
+            layers (``convert_to_fp8`` ran: select before it).
 
     Example:
         >>> model = keep_fp32(model, ["head", "blocks.*.attn"])  # doctest: +SKIP
@@ -79,6 +80,7 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
     selection: its fp32 parameters would get half inputs.
     """
     added = [n for n in after if n not in before]
+    check_not_fp8(model, added)
     for name in added:
         half = next((f"{name}.{p}".strip(".") for p, t in
                      model.get_submodule(name).named_parameters() if t.dtype in HALF_DTYPES), None)
@@ -104,6 +106,21 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
                 f"keep_fp32: module {name!r} keeps fp32 parameters in a half model (initialize "
                 "ran while it was selected), so it cannot leave the selection: it would get "
                 f"half inputs; valid: a selection that still holds it, e.g. {sorted(set(after) | {name})}")
+
+
+def check_not_fp8(model: nn.Module, names: Iterable[str]) -> None:
+    """Refuse to keep a module that already holds fp8 layers: they would go on computing
+    in fp8 behind fp32 outputs (``convert_to_fp8`` leaves kept modules alone instead)."""
+    from .fp8.linear import Float8Linear  # here: ampkit.fp8 imports this module
+
+    for name in names:
+        fp8 = next((f"{name}.{n}".strip(".") for n, m in model.get_submodule(name).named_modules()
+                    if isinstance(m, Float8Linear)), None)
+        if fp8 is not None:
+            raise ValueError(f"keep_fp32: module {name!r} already computes in fp8 ({fp8!r}: "
+                             "convert_to_fp8 swapped it), and would keep doing so; valid: call "
+                             "keep_fp32 before convert_to_fp8 (which then leaves it alone), or "
+                             "leave it out with convert_to_fp8(..., module_filter=...)")
 
 
 def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[str]:
