@@ -69,13 +69,6 @@ def test_module_filter_gets_module_and_fqn(caplog):
     assert "convert_to_fp8: kept 0 as nn.Linear: refused by module_filter" in caplog.messages
 
 
-def test_converting_twice_leaves_float8_layers_alone():
-    model = convert_to_fp8(make_model(), recipe=EMU["tensorwise"])
-    first = model[0]
-    convert_to_fp8(model, recipe=EMU["rowwise"])
-    assert model[0] is first and first.config.recipe.value == "tensorwise"
-
-
 def test_bare_linear_is_returned_converted(caplog):
     linear = nn.Linear(32, 16)
     fp8 = convert_to_fp8(linear, recipe=EMU["rowwise"])
@@ -207,6 +200,22 @@ def test_initialize_after_converting_keeps_the_amax_histories_fp32(level, half):
     assert first[0].amax_history_input[0] == x.to(half).abs().max().float()
     load_fp8_state_dict(second, fp8_state_dict(first))
     assert torch.equal(second[0].amax_history_input, first[0].amax_history_input)
+
+
+def test_converting_again_same_config_is_a_no_op_another_is_refused():
+    """Another recipe was silently ignored: the layers stayed tensorwise."""
+    model = convert_to_fp8(make_model(), recipe=EMU["tensorwise"])
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert convert_to_fp8(model, recipe=EMU["tensorwise"]) is model
+    assert [m for m in model.modules() if isinstance(m, Float8Linear)] == layers
+    with pytest.raises(ValueError, match=r"convert_to_fp8\(recipe=delayed\(16,max\)\): '0' "
+                                         r"\(tensorwise\).* are fp8 already.*valid: the same"):
+        convert_to_fp8(model, recipe=EMU["delayed"])
+    assert {m.config for m in model.modules() if isinstance(m, Float8Linear)} == {EMU["tensorwise"]}
+    # A filter that leaves them out gives per-layer recipes.
+    mixed = convert_to_fp8(make_model(), recipe=EMU["tensorwise"], module_filter=lambda m, n: n == "0")
+    convert_to_fp8(mixed, recipe=EMU["delayed"], module_filter=lambda m, n: n != "0")
+    assert mixed[0].config == EMU["tensorwise"] and mixed[1].up.config == EMU["delayed"]
 
 
 def test_a_swapped_layer_keeps_the_hooks_registered_on_it():

@@ -123,6 +123,7 @@ def convert_to_fp8(model: nn.Module, *,
             return model
         _check_devices(config, [model])
         return Float8Linear.from_linear(model, config)
+    _refuse_other_recipes(model, config, module_filter)
     swaps, skips = _plan(model, module_filter)
     _check_devices(config, [linear for _, _, linear in swaps])
     converted: dict[int, Float8Linear] = {}  # one layer used in several slots stays one layer
@@ -137,6 +138,25 @@ def convert_to_fp8(model: nn.Module, *,
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
                 len(converted), config.short, len(skips))  # a layer in two slots counts once
     return model
+
+
+def _refuse_other_recipes(model: nn.Module, config: Float8Config,
+                          module_filter: Optional[ModuleFilter]) -> None:
+    """Converting again with the same config is a no-op; a layer this call selects that
+    is fp8 with another config already would silently keep it: refused, naming them."""
+    other = [(name, module.config) for name, module in model.named_modules()
+             if isinstance(module, Float8Linear) and module.config != config
+             and (module_filter is None or module_filter(module, name))]
+    if other:
+        # The recipe names them apart; where only other settings differ, the whole config.
+        label = {cfg: cfg.short if cfg.short != config.short else repr(cfg) for _, cfg in other}
+        names = ", ".join(f"{name!r} ({label[cfg]})" for name, cfg in other[:4])
+        more = f" and {len(other) - 4} more" if len(other) > 4 else ""
+        asked = repr(config) if any(cfg.short == config.short for _, cfg in other) else config.short
+        raise ValueError(f"convert_to_fp8(recipe={asked}): {names}{more} are fp8 "
+                         "already, with another config, and would stay so; valid: the same "
+                         "config again (a no-op), a module_filter that leaves them out (per-"
+                         "layer recipes), or a model not converted yet")
 
 
 def _delayed_layers(model: nn.Module) -> dict[str, Float8Linear]:
