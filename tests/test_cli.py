@@ -225,6 +225,9 @@ def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
     (["train", "--data", "mnist"], ["'mnist'", "digits", "cifar10", "synthetic"]),
     (["train", "--data", "synthetic", "--model", "gpt"], ["'gpt'", "valid: mlp, cnn"]),
     (["train", "--data", "synthetic", "--model", "resnet18"], ["3-channel", "cifar10"]),
+    # train's models, not bench's (which listed gpt, then refused by train)
+    (["train", "--data", "synthetic", "--model", "json:no_such_function"],
+     ["'no_such_function'", "valid: mlp, cnn, resnet18, or package"]),
     (["train", "--data", "synthetic", "--policy", "bf17"], ["'bf17'", "valid:"]),
     (["train", "--data", "synthetic", "--opt-level", "O4"], ["'O4'", "O0", "O3"]),
     (["train", "--data", "cifar10"], ["--data-dir", "cifar-10-batches-py"]),
@@ -313,6 +316,27 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
               checkpoint=ckpt, resume=True)
     with pytest.raises(UsageError, match="no checkpoint at"):
         train(TrainSettings(data="synthetic", epochs=2), checkpoint=ckpt + ".missing", resume=True)
+
+
+def test_resume_refuses_fewer_epochs_than_done_and_a_foreign_file(tmp_path):
+    """Fewer --epochs than the checkpoint finished trained nothing and exited 0; a file
+    that is no checkpoint printed torch's advice to load it with weights_only=False."""
+    ckpt = str(tmp_path / "run.pt")
+    settings = TrainSettings(data="synthetic", policy="32-true", epochs=2, batch_size=256)
+    train(settings, checkpoint=ckpt)
+    with pytest.raises(UsageError, match=r"holds 2 finished epochs, more than --epochs 1; "
+                                         r"valid: --epochs 2 or more"):
+        train(TrainSettings(**{**settings.__dict__, "epochs": 1}), checkpoint=ckpt, resume=True)
+    assert train(settings, checkpoint=ckpt, resume=True)["final"]["epoch"] == 2  # equal: done
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"f": print}, foreign)  # a pickled function: code would run on a full load
+    for path in (foreign, tmp_path / "garbage.pt"):
+        if path.name == "garbage.pt":
+            path.write_bytes(b"not a checkpoint" * 64)
+        with pytest.raises(UsageError) as err:
+            train(settings, checkpoint=str(path), resume=True)
+        assert "is not a checkpoint ampkit train wrote" in str(err.value)
+        assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
 @pytest.mark.slow

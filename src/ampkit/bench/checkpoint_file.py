@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import io
 import os
+import pickle
 import re
 from typing import Any, Union
 
@@ -106,6 +107,12 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 def _read(source: Union[str, io.BytesIO], path: str) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's message suggests weights_only=False (code would run on load): not here.
+        raise UsageError(f"--resume: {path!r} is not a checkpoint ampkit train wrote (it is no "
+                         "torch file of tensors and plain values only); valid: the --checkpoint "
+                         "file of an earlier run") from None
     except Exception as err:  # a truncated or foreign file can fail in many ways
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UsageError(f"--resume: cannot read checkpoint {path!r} "
-                         f"({type(err).__name__}: {err})") from None
+                         f"({type(err).__name__}: {first})") from None

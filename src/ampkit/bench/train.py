@@ -99,7 +99,7 @@ def build_classifier(name: str, data: Dataset) -> nn.Module:
 
 
 def _user_classifier(spec: str) -> nn.Module:
-    result = call_user_function(spec, None)
+    result = call_user_function(spec, None, TRAIN_MODELS)
     model = result[0] if isinstance(result, (tuple, list)) and result else result
     if not isinstance(model, nn.Module):
         raise UsageError(f"model {spec!r} returned {type(result).__name__}; expected a "
@@ -243,6 +243,11 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
         raise UsageError("its 'rng' entry is not the random-number state ampkit train writes; "
                          "valid: {'cpu': a uint8 tensor, 'cuda': None or a list of them}")
     check_resume_settings(state["settings"], settings)
+    done = len(state["history"])
+    if done > settings.epochs:  # it would train nothing and report the checkpoint's epochs
+        raise UsageError(f"it holds {done} finished epochs, more than --epochs "
+                         f"{settings.epochs}; valid: --epochs {done} or more (a resumed run "
+                         "continues up to --epochs)")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -278,29 +278,32 @@ _EXPECTED = ("expected (torch.nn.Module, (inputs, targets)) or "
              "(torch.nn.Module, (inputs, targets), loss_fn)")
 
 
-def load_user_function(spec: str) -> Callable[..., Any]:
-    """Import ``package.module:function`` (the current directory is on the path, as for -m)."""
+def load_user_function(spec: str, valid: str = VALID_MODELS) -> Callable[..., Any]:
+    """Import ``package.module:function`` (the current directory is on the path, as for -m).
+
+    ``valid``: the models the command takes, named in its errors.
+    """
     module_name, _, func_name = spec.partition(":")
     if not module_name or not func_name.isidentifier():
         raise UsageError(f"model {spec!r} is not of the form package.module:function; "
-                            f"valid: {VALID_MODELS}")
+                            f"valid: {valid}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # a user module can fail in any way: report it in one line
         raise UsageError(f"model {spec!r}: cannot import {module_name!r} "
-                            f"({type(err).__name__}: {err}); valid: {VALID_MODELS}") from None
+                            f"({type(err).__name__}: {err}); valid: {valid}") from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise UsageError(f"model {spec!r}: module {module_name!r} has no function "
-                            f"{func_name!r}; valid: {VALID_MODELS}")
+                            f"{func_name!r}; valid: {valid}")
     return func
 
 
-def call_user_function(spec: str, batch_size: Optional[int]) -> Any:
+def call_user_function(spec: str, batch_size: Optional[int], valid: str = VALID_MODELS) -> Any:
     """Call the user's function, passing ``batch_size`` when it takes that keyword."""
-    func = load_user_function(spec)
+    func = load_user_function(spec, valid)
     kwargs: dict[str, Any] = {}
     if batch_size is not None:
         if not _takes_batch_size(func):
