@@ -147,3 +147,51 @@ def test_a_bad_entry_of_the_third_layer_leaves_the_first_two_unloaded(key, value
         assert after[name]["started"] is False and state[name]["started"] is True
         assert torch.equal(after[name]["amax_history_input"], before[name]["amax_history_input"])
         assert not torch.equal(after[name]["amax_history_input"], state[name]["amax_history_input"])
+
+
+# --- activation checkpointing ---------------------------------------------------------------
+
+class _Blocks(nn.Module):
+    """Three blocks over two layers: layer 0 runs in the first and the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
+        self.checkpoint: dict | None = None  # torch.utils.checkpoint's keywords, or None
+
+    def block(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return torch.tanh(self.layers[i](x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.utils.checkpoint as ckpt
+        for i in (0, 1, 0):
+            x = (self.block(x, i) if self.checkpoint is None
+                 else ckpt.checkpoint(self.block, x, i, **self.checkpoint))
+        return x
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_non_reentrant_checkpointing_casts_and_records_as_without_it(algo):
+    """The recomputation in backward cast by the history after the forward had pushed its
+    amax, and pushed it again: other gradients, and each amax in the history twice."""
+    plain = convert_to_fp8(_Blocks(), recipe=Float8Config("delayed", amax_history_len=4,
+                                                          amax_compute_algo=algo, emulate=True))
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.checkpoint = {"use_reentrant": False}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        for _ in range(2):  # two micro-batches per step
+            x = torch.randn(16, 32, generator=gen) * (1 + step)
+            grad = torch.randn(16, 32, generator=gen)
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            plain(xs[0]).backward(grad)
+            checkpointed(xs[1]).backward(grad)
+            assert torch.equal(xs[0].grad, xs[1].grad), step
+        for p, q in zip(plain.parameters(), checkpointed.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+            p.grad = q.grad = None
+    for a, b in zip(plain.layers, checkpointed.layers):
+        for role in ("input", "weight", "grad_output"):
+            assert torch.equal(getattr(a, f"amax_history_{role}"), getattr(b, f"amax_history_{role}"))
+        assert b._checkpointed == []  # every forward's pair was used by its recomputation

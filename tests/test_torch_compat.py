@@ -165,6 +165,25 @@ def _graph_break() -> None:
            f"{len(graphs)} graphs, the code between ran {len(between)} times, out {out}")
 
 
+def _checkpoint_phase() -> None:
+    """Each phase where torch.utils.checkpoint (non-reentrant) runs the function."""
+    import torch.utils.checkpoint as ckpt
+
+    seen = []
+
+    def f(x):
+        seen.append(tc.checkpoint_phase())
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    ckpt.checkpoint(f, x, use_reentrant=False).sum().backward()
+    ckpt.checkpoint(f, x, use_reentrant=True).sum().backward()
+    f(x)
+    expected = ([None] * 5 if tc.TORCH_VERSION < (2, 11)  # 2.5 has no view of the hooks
+                else ["forward", "recompute", None, None, None])  # reentrant: no hooks
+    _check("checkpoint_phase", seen == expected, f"saw {seen}, not {expected}")
+
+
 def _import_dynamo() -> None:
     tc.import_dynamo()
     _check("import_dynamo", "torch._dynamo" in sys.modules, "torch._dynamo not imported")
@@ -487,7 +506,8 @@ CHECKS: dict[str, Callable[[], None]] = {
     "clear_autocast_cache": _autocast_switches,
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
-    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break, "import_dynamo": _import_dynamo,
+    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
+    "checkpoint_phase": _checkpoint_phase, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,

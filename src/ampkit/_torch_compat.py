@@ -46,7 +46,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "graph_break", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "graph_break", "checkpoint_phase", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     "unsafe_view",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
@@ -166,6 +166,31 @@ def resolve_autocast(device_type: str, dtype: torch.dtype, enabled: bool) -> tup
 def tensor_version(tensor: Tensor) -> int:
     """``tensor._version``: autograd's count of in-place writes to it (every release)."""
     return tensor._version
+
+
+# The innermost saved-tensors hooks (pack, unpack), or None; private. Absent in 2.5 (there
+# checkpoint_phase answers None), there in 2.11 and 2.13 (taking ignore_is_tracing).
+_TOP_HOOKS = resolve("torch._C._autograd._top_saved_tensors_default_hooks")
+if TORCH_VERSION >= (2, 11):
+    TORCH_PATHS.append("torch._C._autograd._top_saved_tensors_default_hooks")
+# torch.utils.checkpoint's hook classes (non-reentrant), named by their pack hooks.
+_CHECKPOINT_PHASES = {"_checkpoint_hook": "forward", "_recomputation_hook": "recompute"}
+
+
+def checkpoint_phase() -> Optional[str]:
+    """"forward" inside the forward of a non-reentrant ``torch.utils.checkpoint``,
+    "recompute" inside its recomputation (during backward), else None (also while
+    compiling, and where the code runs under saved-tensors hooks of its own inside)."""
+    if _TOP_HOOKS is None or is_compiling():
+        return None
+    try:
+        hooks = _TOP_HOOKS(False)
+    except TypeError:  # before ignore_is_tracing
+        hooks = _TOP_HOOKS()
+    if hooks is None:
+        return None
+    owner = getattr(hooks[0], "__qualname__", "").split(".")[0]
+    return _CHECKPOINT_PHASES.get(owner)
 
 
 # --- compile -------------------------------------------------------------------------------

@@ -18,14 +18,17 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import autocast_output_dtype, capability, fp8_supported, to_dtype
-from .._torch_compat import AfterApply, is_compiling, scaled_mm, unsafe_view
+from .._torch_compat import AfterApply, checkpoint_phase, is_compiling, scaled_mm, unsafe_view
 from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
 from .config import Float8Config, Recipe
-from .scaling import E4M3, E5M2, Fp8, quantize, quantize_delayed
+from .scaling import E4M3, E5M2, Fp8, amax_to_scale, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 _ROLE_NAMES = ("input", "weight", "grad_output")
+# Checkpointed forwards whose recomputation has not run yet (a forward without backward
+# leaves its pair behind): the oldest beyond this many are dropped.
+_CHECKPOINTED_KEPT = 64
 
 
 def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
@@ -115,6 +118,11 @@ class _CastState(NamedTuple):
     histories: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]
     warmup: bool
     record: bool  # forward amaxes go into the histories (grad mode on: training)
+    # Delayed recipe under activation checkpointing: the forward collects the amaxes its
+    # input and weight scales came from (``used``); the recomputation casts by those
+    # (``fixed``) and records nothing, so it casts exactly as the forward did.
+    used: Optional[list[Tensor]] = None
+    fixed: Optional[tuple[Tensor, ...]] = None
 
 
 def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
@@ -129,9 +137,12 @@ def _cast(t: Tensor, role: int, dim: int, state: _CastState) -> Fp8:
     history = state.histories[role]
     if history is None:
         return quantize(t, dtype, margin=config.margin)
+    if state.fixed is not None and role != _GRAD:
+        return quantize(t, dtype, scale=amax_to_scale(state.fixed[role], dtype, config.margin))
     return quantize_delayed(t, dtype, history, algo=config.amax_compute_algo,
                             margin=config.margin, warmup=state.warmup,
-                            record=state.record or role == _GRAD)
+                            record=state.record or role == _GRAD,
+                            used=None if role == _GRAD else state.used)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -145,8 +156,10 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, lead: tuple[int, ...], config: Float8Config,  # type: ignore[override]
                 native: bool, out_dtype: torch.dtype, warmup: bool, record: bool,
-                h_in: Optional[Tensor], h_w: Optional[Tensor], h_g: Optional[Tensor]) -> Tensor:
-        state = _CastState(config, (h_in, h_w, h_g), warmup, record)
+                h_in: Optional[Tensor], h_w: Optional[Tensor], h_g: Optional[Tensor],
+                used: Optional[list[Tensor]] = None,
+                fixed: Optional[tuple[Tensor, ...]] = None) -> Tensor:
+        state = _CastState(config, (h_in, h_w, h_g), warmup, record, used, fixed)
         gathered = isinstance(weight, Fp8GatheredWeight)
         if gathered and config.recipe is not Recipe.TENSORWISE:
             raise RuntimeError(f"Float8Linear(recipe={config.short}) got a weight FSDP2 "
@@ -197,7 +210,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                     grad_x = fp8_mm(g_rows, Fp8(w_data, w_inv), x_dtype, native)
                 if need_w:
                     grad_w = fp8_mm(g_rows.t(), Fp8(x_data, x_inv), w_dtype, native)
-        return grad_x, grad_w, None, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_history(value: Any, like: Tensor, where: str) -> None:
@@ -245,7 +258,11 @@ class Float8Linear(AfterApply, nn.Linear):
     are empty); a layer called twice before its first backward sees an empty gradient
     history in the second call's backward, so that one step's gradient is cast with
     scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
-    the histories without updating them.
+    the histories without updating them. Under ``torch.utils.checkpoint`` (non-reentrant)
+    the recomputation casts by the scales its forward used and records nothing, so a
+    checkpointed run equals an unchecked one bitwise; reentrant checkpointing runs the
+    forward without grad and records in the recomputation, which is the same where each
+    layer runs once per backward. There is no double backward (it raises).
 
     Example:
         >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))
@@ -297,6 +314,7 @@ class Float8Linear(AfterApply, nn.Linear):
                                    device=self.weight.device) if delayed else None)
             self.register_buffer(f"amax_history_{name}", history, persistent=False)
         self._delayed_started = False
+        self._checkpointed: list[tuple[Tensor, ...]] = []  # see _checkpointed_scales
         self._backend_device: Optional[torch.device] = None
         self._native = False
         self._resolve_backend()
@@ -352,6 +370,24 @@ class Float8Linear(AfterApply, nn.Linear):
             self._delayed_started = True
         return True
 
+    def _checkpointed_scales(self) -> tuple[Optional[list[Tensor]], Optional[tuple[Tensor, ...]]]:
+        """(used, fixed) for this forward under torch.utils.checkpoint (non-reentrant).
+
+        Its forward records as usual and keeps the amaxes its scales came from; its
+        recomputation (in backward, after the forward's push) casts by the kept ones and
+        records nothing: the fp8 tensors it recomputes are those the forward made, and the
+        histories hold one entry per step. The newest kept pair serves the first
+        recomputation, as backward runs checkpointed blocks in reverse order.
+        """
+        if self.config.recipe is not Recipe.DELAYED or not torch.is_grad_enabled():
+            return None, None
+        phase = checkpoint_phase()
+        if phase == "forward":
+            return [], None
+        if phase == "recompute" and self._checkpointed:
+            return None, self._checkpointed.pop()
+        return None, None
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Float8Linear expected inputs with last dimension "
@@ -363,9 +399,13 @@ class Float8Linear(AfterApply, nn.Linear):
             return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
+        used, fixed = self._checkpointed_scales()
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, tuple(x.shape[:-1]),
                                  self.config, native, autocast_output_dtype(x), self._warmup_step(),
-                                 torch.is_grad_enabled(), *histories)
+                                 torch.is_grad_enabled() and fixed is None, *histories, used, fixed)
+        if used:
+            self._checkpointed.append(tuple(used))
+            del self._checkpointed[:-_CHECKPOINTED_KEPT]
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

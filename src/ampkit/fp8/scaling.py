@@ -188,7 +188,7 @@ def read_history(history: Tensor, algo: AmaxComputeAlgo) -> Tensor:
 
 def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
                      algo: AmaxComputeAlgo, margin: int = 0, warmup: bool = False,
-                     record: bool = True) -> Fp8:
+                     record: bool = True, used: Optional[list[Tensor]] = None) -> Fp8:
     """Quantise with the scale from ``history``, then push ``x``'s amax into it.
 
     The cast does not wait for ``x``'s amax: under torch.compile the amax reduction is a
@@ -203,6 +203,8 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
         warmup: scale by ``x``'s own amax (the first step, when the history is empty).
         record: push ``x``'s amax into the history (False for no-grad forwards, e.g.
             evaluation, which should not move the training scales).
+        used: when given, the amax the scale came from is appended to it (a copy: the
+            history changes in place), so a recomputation can cast alike.
 
     Returns:
         The fp8 data and its inverse scale.
@@ -211,6 +213,8 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
         return quantize(x, dtype, scale=amax_to_scale(history_amax(history, algo), dtype, margin))
     amax = compute_amax(x)
     source = amax if warmup else read_history(history, algo)
+    if used is not None:
+        used.append(source.clone())
     q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
     if record:
         update_history(history, amax)
