@@ -593,9 +593,16 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
                                                                                  (8.0, 0)]
     with pytest.raises(ValueError, match=r"state_dict\['loss_scaler1'\] is 3; valid: a dict"):
         load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": 3})
-    with pytest.raises(ValueError, match=r"scale=-1.0 is out of range"):
-        load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
-                         "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
+    # Named by the checkpoint's own keys and entry (it said "scale=-1.0", "_growth_tracker").
+    for entry, error, words in [
+            ({"loss_scale": -1.0, "unskipped": 0}, ValueError, r"\['loss_scale'\] is -1.0; valid"),
+            ({"loss_scale": float("nan"), "unskipped": 0}, ValueError, r"\['loss_scale'\] is nan"),
+            ({"loss_scale": "8", "unskipped": 0}, TypeError, r"\['loss_scale'\] is str '8'"),
+            ({"loss_scale": 8.0, "unskipped": -1}, ValueError, r"\['unskipped'\] must be an int"),
+            ({"loss_scale": 8.0, "unskipped": 1.5}, TypeError, r"\['unskipped'\] must be an int")]:
+        with pytest.raises(error, match=r"amp state_dict\['loss_scaler1'\]" + words):
+            load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
+                             "loss_scaler1": entry})
     assert _scale(0) == 1024.0  # nothing loaded from the rejected dicts
 
 
@@ -816,6 +823,21 @@ def test_o3_recasts_the_state_an_optimizer_already_has(dtype):
         scaled.backward()
     optimizer.step()
     assert state["step"].item() == 2 and model.weight.dtype == dtype
+
+
+@pytest.mark.parametrize("level", ["O0", "O3"])
+def test_a_loaded_loss_scale_is_applied_where_initialize_fixed_it_at_one(level):
+    """The loaded scale was reported but scale_loss kept multiplying by 1.0: a run that
+    had set _loss_scale (apex's pattern) resumed differently, its state saying otherwise."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.float16)
+    load_state_dict({"loss_scaler0": {"loss_scale": 4096.0, "unskipped": 0}})
+    loss = _loss(model, 0)
+    with scale_loss(loss, optimizer) as scaled:
+        assert torch.equal(scaled, loss.float() * 4096.0)
+        scaled.backward()
+    assert state_dict()["loss_scaler0"]["loss_scale"] == 4096.0
 
 
 def test_a_written_loss_scale_is_used_as_written_outside_the_bounds():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -74,6 +76,14 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         scaler.check_state_dict(entry)  # validates: every entry before any scaler changes
     for (_, scaler), entry in zip(pairs, full):
         scaler.load_state_dict(entry)
+        _note_scale(amp, scaler.get_scale())
+
+
+def _note_scale(amp: _state.ActiveAmp, scale: float) -> None:
+    """A scale other than 1.0 is applied from now on, also where initialize fixed it at 1.0
+    (O0, O3): apex's scale_loss always multiplied by its scaler's current scale."""
+    if scale != 1.0:
+        amp.scaling = True
 
 
 def _scaler_keys(state: dict, expected: list[str]) -> list[str]:
@@ -92,6 +102,16 @@ def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
     if not (isinstance(entry, dict) and "loss_scale" in entry and "unskipped" in entry):
         raise ValueError(f"amp state_dict[{key!r}] is {entry!r}; valid: a dict with 'loss_scale' "
                          "and 'unskipped'")
+    # Checked under apex's names, naming the entry; the scaler checks the rest.
+    where = f"amp state_dict[{key!r}]"
+    scale = entry["loss_scale"]
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{where}['loss_scale'] is {type(scale).__name__} {scale!r}; valid: a "
+                        "number >= 0 (the loss scale, as ampkit.state_dict() writes it)")
+    if math.isnan(scale) or scale < 0:
+        raise ValueError(f"{where}['loss_scale'] is {scale!r}; valid: a number >= 0 (the loss "
+                         "scale, as ampkit.state_dict() writes it)")
+    check_int(f"{where}['unskipped']", entry["unskipped"], 0)
     # The scale and the clean-step count; settings (bounds, interval) stay this scaler's.
     return {"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"],
             "growth_factor": scaler.get_growth_factor(),
@@ -124,8 +144,7 @@ class _LossScaler:
         scale = check_positive("_loss_scale", value)
         # As written, as in apex: min/max_loss_scale bound the later updates, not this.
         self._scaler.set_scale(scale)
-        if scale != 1.0:
-            self._amp.scaling = True  # a fixed 1.0 becomes a real scale: scale_loss applies it
+        _note_scale(self._amp, scale)
 
     @property
     def _unskipped(self) -> int:
