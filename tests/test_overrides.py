@@ -442,6 +442,34 @@ def test_compiled_fullgraph_region_traces_whole_inside_an_eager_region():
         assert torch.mm is original and overrides._open_regions == []
 
 
+def test_a_compiled_region_leaves_other_threads_regions_alone():
+    """Dynamo replayed the traced push and pop of the process-wide region list after the
+    graph as the whole list it traced, erasing a region another thread entered meanwhile."""
+    if not _dynamo_traces_regions():
+        pytest.skip(f"torch {torch.__version__}'s dynamo cannot trace an ampkit.autocast region")
+    torch._dynamo.reset()
+    ampkit.register_float_function(torch, "mm")
+
+    @torch.library.custom_op("ampkit_test::other_thread_enters", mutates_args=())
+    def other_thread_enters(x: torch.Tensor) -> torch.Tensor:
+        overrides._open_regions.append(None)  # as another thread's push_frame would
+        return x.clone()
+
+    other_thread_enters.register_fake(lambda x: torch.empty_like(x))
+
+    def f(a):
+        with autocast("cpu", dtype=torch.bfloat16):
+            return other_thread_enters(torch.mm(a, a))
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            assert compiled(torch.ones(2, 2)).dtype is torch.float32
+        assert len(overrides._open_regions) == 3  # this region and both others
+        del overrides._open_regions[1:]  # the other thread's exits
+    assert overrides._open_regions == [] and overrides._local.frames == []
+
+
 def test_compiled_region_that_must_put_overrides_in_place_breaks_the_graph():
     """Putting a wrapper in place cannot be traced (dynamo would replay the attribute write
     after every call): the graph breaks there, so the region runs eagerly and correctly,

@@ -56,7 +56,8 @@ class _Frame(NamedTuple):
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.frames: list[tuple[str, torch.dtype, bool]] = []
+        # (device_type, dtype, enabled, counted): counted in _open_regions (entered eagerly)
+        self.frames: list[tuple[str, torch.dtype, bool, bool]] = []
 
 
 _local = _Local()
@@ -71,8 +72,23 @@ _registry: dict[tuple[int, str], "Registration"] = {}
 
 # --- per-thread autocast frames (pushed and popped by ampkit.autocast) -------------------
 def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-    """Enter an ampkit.autocast region in this thread (installs overrides on the first)."""
-    _local.frames.append((device_type, dtype, enabled))  # a plain tuple: cheapest to build
+    """Enter an ampkit.autocast region in this thread (installs overrides on the first).
+
+    While torch.compile traces, only this thread's frame is pushed: dynamo would replay a
+    write to the process-wide ``_open_regions`` after every call of the graph as the whole
+    list it traced, erasing other threads' regions meanwhile, and it guards on module
+    attributes it read, so nothing may be put in place either. Where registered
+    overrides are not in place already (no region is open outside the compiled function),
+    the graph breaks here, and the region is entered eagerly.
+    """
+    if is_compiling():
+        if _registry and not _installed:
+            graph_break("ampkit.autocast: overrides are registered and must be put in place "
+                        "here; enter the ampkit.autocast region outside the compiled function "
+                        "to trace it whole (fullgraph=True)")
+        _local.frames.append((device_type, dtype, enabled, False))
+        return
+    _local.frames.append((device_type, dtype, enabled, True))  # a plain tuple: cheapest to build
     _open_regions.append(None)
     if _registry:
         try:
@@ -84,7 +100,8 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
 
 def pop_frame() -> None:
     """Leave the innermost ampkit.autocast region of this thread."""
-    _local.frames.pop()
+    if not _local.frames.pop()[3]:
+        return  # entered while dynamo traced: never counted
     _open_regions.pop()
     if _registry and not _open_regions:
         _sync_installed_locked()
@@ -93,18 +110,12 @@ def pop_frame() -> None:
 def _sync_installed_locked() -> None:
     """_sync_installed under _lock: a concurrent last-region exit may be uninstalling.
 
-    While torch.compile traces, nothing may be put in place: dynamo guards on the module
-    attribute it read, and would replay the writes after every call of the graph. Where
-    the overrides are in place already (a region open outside the compiled function) or
-    stay out, there is nothing to do and the region traces into the graph; where they
-    would have to be put in place or taken out, the graph breaks, and the region is
-    entered (or left) eagerly under the lock.
+    Left while dynamo traces (a region entered eagerly, before a graph break): taking the
+    overrides out cannot be traced either (see :func:`push_frame`), so the graph breaks.
     """
     if is_compiling():
         if bool(_open_regions) != _installed:
-            graph_break("ampkit.autocast: overrides are registered and must be put in place "
-                        "here; enter the ampkit.autocast region outside the compiled function "
-                        "to trace it whole (fullgraph=True)")
+            graph_break("ampkit.autocast: overrides are registered and must be taken out here")
         return
     with _lock:
         _sync_installed()
@@ -139,7 +150,7 @@ def active_frame(device_type: Optional[str] = None) -> Optional[_Frame]:
         top = frames[-1] if frames else None
     else:
         top = next((f for f in reversed(frames) if f[0] == device_type), None)
-    return _Frame(*top) if top is not None and top[2] else None
+    return _Frame(*top[:3]) if top is not None and top[2] else None
 
 
 @contextlib.contextmanager
