@@ -191,6 +191,13 @@ def test_initialize_after_converting_keeps_the_amax_histories_fp32(level, half):
         return model
 
     first, second = build(True), build(False)
+    grown = convert_to_fp8(make_model(), recipe=EMU["delayed"])
+    history = torch.tensor([3.01, 1e5] + [0.0] * 14)  # 1e5: a gradient's amax under a loss scale
+    grown[0].amax_history_grad_output.copy_(history)
+    ampkit.initialize(grown, torch.optim.SGD(grown.parameters(), lr=0.1), opt_level=level,
+                      half_dtype=half, verbosity=0)
+    assert torch.equal(grown[0].amax_history_grad_output, history)  # not 3.0098, inf
+    assert torch.equal(grown.half()[0].amax_history_grad_output, history)  # nor by .half()
     for model in (first, second):
         assert model[0].weight.dtype == half
         assert {model[0].amax_history_input.dtype, model[0].amax_history_weight.dtype,

@@ -377,10 +377,23 @@ class AfterApply(nn.Module):
     Those all end in the private ``nn.Module._apply(fn, recurse)`` (``recurse`` since
     2.0, so also on 2.5), which this overrides. List it first: ``class L(AfterApply,
     nn.Linear)``; Float8Linear re-decides its backend there after a move.
+
+    ``FP32_BUFFERS``: the names of buffers that stay fp32 whatever the module is cast
+    to; a cast moves them to the new device with their values exact (a cast to half and
+    back would round them, and turn values above 65504 into inf). ``cast_model`` leaves
+    them alone too.
     """
 
+    FP32_BUFFERS: tuple[str, ...] = ()
+
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        kept = {name: buf for name in self.FP32_BUFFERS
+                if (buf := getattr(self, name, None)) is not None}
         result = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after.dtype != torch.float32:
+                setattr(self, name, before.to(device=after.device, dtype=torch.float32))
         self.after_apply()
         return result
 

@@ -87,10 +87,12 @@ def cast_model(model: nn.Module, dtype: torch.dtype, *,
                     param.data = param.data.to(target)
                     if param.grad is not None:
                         param.grad = param.grad.to(target)
+            fp32_buffers = module.FP32_BUFFERS if isinstance(module, AfterApply) else ()
             for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.is_floating_point() and buf.dtype != target:
+                if (buf is not None and buf.is_floating_point() and buf.dtype != target
+                        and name not in fp32_buffers):  # fp8 amax histories stay fp32
                     setattr(module, name, buf.to(target))
-            if isinstance(module, AfterApply):  # as after .half(): fp8 histories stay fp32
+            if isinstance(module, AfterApply):  # as after .half()
                 module.after_apply()
     return model
 

@@ -319,15 +319,14 @@ class Float8Linear(AfterApply, nn.Linear):
         self._native = False
         self._resolve_backend()
 
+    # .half()/.to(bf16) and initialize's cast leave them fp32 and exact: an amax rounded
+    # down in a 16-bit history would make the next scale too large and saturate, and one
+    # above 65504 (a gradient under a loss scale) would become inf.
+    FP32_BUFFERS = tuple(f"amax_history_{name}" for name in _ROLE_NAMES)
+
     def after_apply(self) -> None:
         # After .to()/.cuda()/.half() (_torch_compat.AfterApply): decide the backend for
         # the new device now, in eager code, so a compiled forward only reads a Python bool.
-        for name in _ROLE_NAMES:
-            history = getattr(self, f"amax_history_{name}")
-            if history is not None and history.dtype != torch.float32:
-                # .half()/.to(bf16) cast buffers too; an amax rounded down in a 16-bit
-                # history would make the next scale too large and saturate.
-                setattr(self, f"amax_history_{name}", history.float())
         self._resolve_backend()
 
     def _resolve_backend(self) -> bool:
