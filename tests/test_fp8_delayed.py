@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit.fp8 import Float8Config, Float8Linear, convert_to_fp8, fp8_state_dict, load_fp8_state_dict
 
 DELAYED = Float8Config("delayed", amax_history_len=4, emulate=True)
@@ -151,34 +152,60 @@ def test_a_bad_entry_of_the_third_layer_leaves_the_first_two_unloaded(key, value
 
 # --- activation checkpointing ---------------------------------------------------------------
 
-class _Blocks(nn.Module):
-    """Three blocks over two layers: layer 0 runs in the first and the last."""
+_NO_CHECKPOINT_VIEW = pytest.mark.skipif(
+    ampkit._torch_compat.TORCH_VERSION < (2, 11),
+    reason="torch before 2.11 gives no view of torch.utils.checkpoint's phases")
+_ROLES = ("input", "weight", "grad_output")
 
-    def __init__(self) -> None:
+
+class _Blocks(nn.Module):
+    """Blocks over two layers: ``order`` names each block's layers (a layer may run in
+    several blocks, and several times in one)."""
+
+    def __init__(self, order=((0,), (1,), (0,))) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
+        self.order = order
         self.checkpoint: dict | None = None  # torch.utils.checkpoint's keywords, or None
 
-    def block(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return torch.tanh(self.layers[i](x))
+    def block(self, x: torch.Tensor, layers: tuple) -> torch.Tensor:
+        for i in layers:
+            x = torch.tanh(self.layers[i](x))
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.utils.checkpoint as ckpt
-        for i in (0, 1, 0):
-            x = (self.block(x, i) if self.checkpoint is None
-                 else ckpt.checkpoint(self.block, x, i, **self.checkpoint))
+        for layers in self.order:
+            x = (self.block(x, layers) if self.checkpoint is None
+                 else ckpt.checkpoint(self.block, x, layers, **self.checkpoint))
         return x
 
 
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_non_reentrant_checkpointing_casts_and_records_as_without_it(algo):
-    """The recomputation in backward cast by the history after the forward had pushed its
-    amax, and pushed it again: other gradients, and each amax in the history twice."""
-    plain = convert_to_fp8(_Blocks(), recipe=Float8Config("delayed", amax_history_len=4,
-                                                          amax_compute_algo=algo, emulate=True))
+def _pair(order=((0,), (1,), (0,)), algo="max") -> tuple[nn.Module, nn.Module]:
+    plain = convert_to_fp8(_Blocks(order), recipe=Float8Config(
+        "delayed", amax_history_len=4, amax_compute_algo=algo, emulate=True))
     checkpointed = copy.deepcopy(plain)
     checkpointed.checkpoint = {"use_reentrant": False}
+    return plain, checkpointed
+
+
+def _same(plain: nn.Module, checkpointed: nn.Module) -> None:
+    for p, q in zip(plain.parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    for a, b in zip(plain.layers, checkpointed.layers):
+        for role in _ROLES:
+            assert torch.equal(getattr(a, f"amax_history_{role}"), getattr(b, f"amax_history_{role}"))
+
+
+@_NO_CHECKPOINT_VIEW
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("order", [((0,), (1,), (0,)), ((0, 1, 0), (1,))],
+                         ids=["a-layer-in-two-blocks", "a-layer-twice-in-one-block"])
+def test_non_reentrant_checkpointing_casts_and_records_as_without_it(algo, order):
+    """The recomputation in backward cast by the history after the forward had pushed its
+    amax, and pushed it again: other gradients, and each amax in the history twice."""
+    plain, checkpointed = _pair(order, algo)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         for _ in range(2):  # two micro-batches per step
@@ -188,10 +215,29 @@ def test_non_reentrant_checkpointing_casts_and_records_as_without_it(algo):
             plain(xs[0]).backward(grad)
             checkpointed(xs[1]).backward(grad)
             assert torch.equal(xs[0].grad, xs[1].grad), step
-        for p, q in zip(plain.parameters(), checkpointed.parameters()):
-            assert torch.equal(p.grad, q.grad), step
-            p.grad = q.grad = None
-    for a, b in zip(plain.layers, checkpointed.layers):
-        for role in ("input", "weight", "grad_output"):
-            assert torch.equal(getattr(a, f"amax_history_{role}"), getattr(b, f"amax_history_{role}"))
-        assert b._checkpointed == []  # every forward's pair was used by its recomputation
+        _same(plain, checkpointed)
+        for p in [*plain.parameters(), *checkpointed.parameters()]:
+            p.grad = None
+
+
+@_NO_CHECKPOINT_VIEW
+def test_checkpointed_scales_follow_each_call_and_each_backward():
+    """Two outputs whose backwards run in forward order, a second backward of one graph
+    (retain_graph), and a forward with no backward: each recomputation casts as its own
+    forward did, and the kept scales go with their graphs."""
+    import gc
+    from ampkit.fp8 import linear
+    plain, checkpointed = _pair()
+    gen = torch.Generator().manual_seed(2)
+    x1, x2 = (torch.randn(16, 32, generator=gen) * s for s in (1.0, 5.0))
+    grad = torch.randn(16, 32, generator=gen)
+    for model in (plain, checkpointed):
+        model(torch.randn(16, 32, generator=torch.Generator().manual_seed(3)))  # no backward
+        y1, y2 = model(x1), model(x2)
+        y1.backward(grad, retain_graph=True)
+        y2.backward(grad)
+        y1.backward(grad)
+    _same(plain, checkpointed)
+    del y1, y2
+    gc.collect()
+    assert len(linear._CHECKPOINTED) == 0 and len(linear._RECOMPUTED) == 0

@@ -165,23 +165,35 @@ def _graph_break() -> None:
            f"{len(graphs)} graphs, the code between ran {len(between)} times, out {out}")
 
 
-def _checkpoint_phase() -> None:
-    """Each phase where torch.utils.checkpoint (non-reentrant) runs the function."""
+def _checkpoint_call() -> None:
+    """Each phase where torch.utils.checkpoint (non-reentrant) runs the function, with the
+    call's own frame, and each backward's id (retain_graph: a second backward, anew)."""
     import torch.utils.checkpoint as ckpt
 
     seen = []
 
     def f(x):
-        seen.append(tc.checkpoint_phase())
+        seen.append(tc.checkpoint_call())
         return x.sin()
 
     x = torch.ones(2, requires_grad=True)
-    ckpt.checkpoint(f, x, use_reentrant=False).sum().backward()
+    y = ckpt.checkpoint(f, x, use_reentrant=False)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
     ckpt.checkpoint(f, x, use_reentrant=True).sum().backward()
     f(x)
-    expected = ([None] * 5 if tc.TORCH_VERSION < (2, 11)  # 2.5 has no view of the hooks
-                else ["forward", "recompute", None, None, None])  # reentrant: no hooks
-    _check("checkpoint_phase", seen == expected, f"saw {seen}, not {expected}")
+    if tc.TORCH_VERSION < (2, 11):  # 2.5 has no view of the hooks
+        _check("checkpoint_call", seen == [None] * 6, f"saw {seen}")
+        return
+    phases = [None if c is None else c.phase for c in seen]
+    _check("checkpoint_call", phases == ["forward", "recompute", "recompute", None, None, None],
+           f"saw phases {phases}")
+    frames = {id(c.frame) for c in seen[:3]}
+    _check("checkpoint_call", len(frames) == 1 and isinstance(seen[0].frame, tc._CHECKPOINT_FRAME),
+           "the forward and its recomputations saw other frames")
+    backwards = [c.backward for c in seen[:3]]
+    _check("checkpoint_call", backwards[0] == -1 and len(set(backwards)) == 3,
+           f"backward ids {backwards}")
 
 
 def _import_dynamo() -> None:
@@ -507,7 +519,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
-    "checkpoint_phase": _checkpoint_phase, "import_dynamo": _import_dynamo,
+    "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,

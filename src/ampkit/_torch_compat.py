@@ -29,7 +29,7 @@ import importlib
 import re
 import types
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +46,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "graph_break", "checkpoint_phase", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
     "unsafe_view",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
@@ -173,14 +173,29 @@ def tensor_version(tensor: Tensor) -> int:
 _TOP_HOOKS = resolve("torch._C._autograd._top_saved_tensors_default_hooks")
 if TORCH_VERSION >= (2, 11):
     TORCH_PATHS.append("torch._C._autograd._top_saved_tensors_default_hooks")
-# torch.utils.checkpoint's hook classes (non-reentrant), named by their pack hooks.
+# torch.utils.checkpoint's hook classes (non-reentrant), named by their pack hooks, the
+# object each checkpointed call keeps its state in, and the id of the running backward.
 _CHECKPOINT_PHASES = {"_checkpoint_hook": "forward", "_recomputation_hook": "recompute"}
+_CHECKPOINT_FRAME = _entry("torch.utils.checkpoint._CheckpointFrame")
+_graph_task_id = _entry("torch._C._current_graph_task_id")
 
 
-def checkpoint_phase() -> Optional[str]:
-    """"forward" inside the forward of a non-reentrant ``torch.utils.checkpoint``,
-    "recompute" inside its recomputation (during backward), else None (also while
-    compiling, and where the code runs under saved-tensors hooks of its own inside)."""
+class CheckpointCall(NamedTuple):
+    """Where code runs inside a non-reentrant ``torch.utils.checkpoint``: ``phase``
+    "forward" or "recompute", ``frame`` the checkpointed call's own object (one per
+    call, freed with its graph; weak-referenceable) and ``backward`` the id of the
+    backward that recomputes (-1 in the forward)."""
+
+    phase: str
+    frame: Any
+    backward: int
+
+
+def checkpoint_call() -> Optional[CheckpointCall]:
+    """The non-reentrant checkpoint this code runs in, else None (also while compiling,
+    under saved-tensors hooks of the code's own inside it, and on torch without a view
+    of the hooks). Private torch: the hooks' class names and the frame they close over,
+    both checked by the test of this module."""
     if _TOP_HOOKS is None or is_compiling():
         return None
     try:
@@ -189,8 +204,32 @@ def checkpoint_phase() -> Optional[str]:
         hooks = _TOP_HOOKS()
     if hooks is None:
         return None
-    owner = getattr(hooks[0], "__qualname__", "").split(".")[0]
-    return _CHECKPOINT_PHASES.get(owner)
+    phase = _CHECKPOINT_PHASES.get(getattr(hooks[0], "__qualname__", "").split(".")[0])
+    frame = None if phase is None else _closed_over_frame(hooks[0], 0)
+    if frame is None:
+        return None
+    return CheckpointCall(phase, frame, _graph_task_id())
+
+
+def _closed_over_frame(fn: Any, depth: int) -> Any:
+    """The ``_CheckpointFrame`` a pack hook closes over (itself or through a weakref),
+    looking through wrappers (``torch._dynamo.disable`` wraps the recomputation's)."""
+    if isinstance(fn, _CHECKPOINT_FRAME):
+        return fn
+    if isinstance(fn, weakref.ref):
+        target = fn()
+        return target if isinstance(target, _CHECKPOINT_FRAME) else None
+    if depth > 3 or not isinstance(fn, types.FunctionType):
+        return None
+    for cell in fn.__closure__ or ():
+        try:
+            found = _closed_over_frame(cell.cell_contents, depth + 1)
+        except ValueError:  # an empty cell
+            continue
+        if found is not None:
+            return found
+    wrapped = getattr(fn, "__wrapped__", None)
+    return None if wrapped is None else _closed_over_frame(wrapped, depth + 1)
 
 
 # --- compile -------------------------------------------------------------------------------

@@ -12,23 +12,28 @@ The high-precision weight stays the nn.Parameter; fp8 copies live only inside a 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._dtypes import autocast_output_dtype, capability, fp8_supported, to_dtype
-from .._torch_compat import AfterApply, checkpoint_phase, is_compiling, scaled_mm, unsafe_view
+from .._torch_compat import AfterApply, checkpoint_call, is_compiling, scaled_mm, unsafe_view
 from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
 from .config import Float8Config, Recipe
-from .scaling import E4M3, E5M2, Fp8, amax_to_scale, quantize, quantize_delayed
+from .scaling import E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 _ROLE_NAMES = ("input", "weight", "grad_output")
-# Checkpointed forwards whose recomputation has not run yet (a forward without backward
-# leaves its pair behind): the oldest beyond this many are dropped.
-_CHECKPOINTED_KEPT = 64
+# Delayed recipe under torch.utils.checkpoint (non-reentrant): per checkpointed call (its
+# frame: freed with its graph), the amaxes each layer's forward scaled its input and weight
+# by, in call order; and per (backward, layer) how many of them its recomputations used.
+_CHECKPOINTED: "weakref.WeakKeyDictionary[Any, dict[int, list[tuple[Tensor, ...]]]]" = (
+    weakref.WeakKeyDictionary())
+_RECOMPUTED: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], int]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
@@ -258,11 +263,13 @@ class Float8Linear(AfterApply, nn.Linear):
     are empty); a layer called twice before its first backward sees an empty gradient
     history in the second call's backward, so that one step's gradient is cast with
     scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
-    the histories without updating them. Under ``torch.utils.checkpoint`` (non-reentrant)
-    the recomputation casts by the scales its forward used and records nothing, so a
-    checkpointed run equals an unchecked one bitwise; reentrant checkpointing runs the
-    forward without grad and records in the recomputation, which is the same where each
-    layer runs once per backward. There is no double backward (it raises).
+    the histories without updating them. Under eager ``torch.utils.checkpoint``
+    (non-reentrant; torch 2.11 or newer) each recomputation casts by the scales its own
+    forward used and records nothing, so a checkpointed run equals an unchecked one
+    bitwise; reentrant checkpointing runs the forward without grad and records in the
+    recomputation, which is the same where each layer runs once per backward. Not
+    covered: checkpointing inside torch.compile, and a selective ``context_fn`` that
+    saves the casts' own ops. There is no double backward (it raises).
 
     Example:
         >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))
@@ -314,7 +321,6 @@ class Float8Linear(AfterApply, nn.Linear):
                                    device=self.weight.device) if delayed else None)
             self.register_buffer(f"amax_history_{name}", history, persistent=False)
         self._delayed_started = False
-        self._checkpointed: list[tuple[Tensor, ...]] = []  # see _checkpointed_scales
         self._backend_device: Optional[torch.device] = None
         self._native = False
         self._resolve_backend()
@@ -372,20 +378,30 @@ class Float8Linear(AfterApply, nn.Linear):
     def _checkpointed_scales(self) -> tuple[Optional[list[Tensor]], Optional[tuple[Tensor, ...]]]:
         """(used, fixed) for this forward under torch.utils.checkpoint (non-reentrant).
 
-        Its forward records as usual and keeps the amaxes its scales came from; its
-        recomputation (in backward, after the forward's push) casts by the kept ones and
-        records nothing: the fp8 tensors it recomputes are those the forward made, and the
-        histories hold one entry per step. The newest kept pair serves the first
-        recomputation, as backward runs checkpointed blocks in reverse order.
+        Its forward records as usual and keeps the amaxes its scales came from, with the
+        checkpointed call; each recomputation of that call (one per backward) casts this
+        layer's n-th call by the n-th kept pair and records nothing: the fp8 tensors it
+        recomputes are those the forward made, and the histories hold one entry per step.
         """
         if self.config.recipe is not Recipe.DELAYED or not torch.is_grad_enabled():
             return None, None
-        phase = checkpoint_phase()
-        if phase == "forward":
-            return [], None
-        if phase == "recompute" and self._checkpointed:
-            return None, self._checkpointed.pop()
-        return None, None
+        call = checkpoint_call()
+        if call is None:
+            return None, None
+        if call.phase == "forward":
+            used: list[Tensor] = []
+            _CHECKPOINTED.setdefault(call.frame, {}).setdefault(id(self), []).append(used)
+            return used, None
+        kept = _CHECKPOINTED.get(call.frame, {}).get(id(self), [])
+        counts = _RECOMPUTED.setdefault(call.frame, {})
+        n = counts.get((call.backward, id(self)), 0)
+        counts[(call.backward, id(self))] = n + 1
+        if n < len(kept) and len(kept[n]) == 2:
+            return None, tuple(kept[n])
+        # Not kept (the forward ran where no view of checkpoint was): scale by the
+        # histories as they are, and record nothing a second time.
+        return None, (history_amax(self.amax_history_input, self.config.amax_compute_algo),
+                      history_amax(self.amax_history_weight, self.config.amax_compute_algo))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -402,9 +418,7 @@ class Float8Linear(AfterApply, nn.Linear):
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, tuple(x.shape[:-1]),
                                  self.config, native, autocast_output_dtype(x), self._warmup_step(),
                                  torch.is_grad_enabled() and fixed is None, *histories, used, fixed)
-        if used:
-            self._checkpointed.append(tuple(used))
-            del self._checkpointed[:-_CHECKPOINTED_KEPT]
+
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
