@@ -234,9 +234,30 @@ def test_shard_groups_a_sequentials_layers(one_rank):
     assert _fsdp_modules(shard(nested, "bf16-mixed")) == ["", "1.0"]  # a ModuleList first
 
 
+def _tied() -> nn.Sequential:
+    """The language-model layout: an embedding tied to the output layer."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False))
+    model[2].weight = model[0].weight
+    return model
+
+
+def test_shard_keeps_tied_layers_in_one_group(one_rank):
+    """Tied layers became groups of their own: fully_shard failed on the second one, with
+    the model half sharded."""
+    model = shard(_tied(), "bf16-mixed")
+    assert _fsdp_modules(model) == ["", "1"]  # the tied pair stays in the root group
+    out = model(torch.tensor([[1, 2, 3]]))
+    assert out.shape == (1, 3, 16) and out.dtype == F32
+    model = _tied()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is shared with '2.weight', but "
+                                         r"they would be in different groups \('0' and 'the root'\)"):
+        shard(model, "bf16-mixed", modules=["0", "1"])
+    assert not is_sharded(model) and _fsdp_modules(model) == []  # refused before any change
+
+
 def test_shard_refuses_a_model_without_blocks_a_sharded_or_initialized_one(one_rank):
     flat = _Flat()
-    with pytest.raises(ValueError, match=r"_Flat has no nn.ModuleList of blocks.*valid: "
+    with pytest.raises(ValueError, match=r"_Flat has no blocks to shard one by one.*valid: "
                                          r"pass modules=.*'fc', 'act'.*modules=\[\]"):
         shard(flat, "bf16-mixed")
     assert _fsdp_modules(flat) == [] and flat.fc.weight.dtype == F32

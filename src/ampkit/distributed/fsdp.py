@@ -122,6 +122,7 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
                    keep_fp32=BATCHNORM_TYPES if pol.keep_batchnorm_fp32 else (),
                    keep_modules=keep.kept_modules(model))
     units = _ordered_units(blocks, kept)
+    _check_shared(model, [name for name, _ in units])
     if fp8_all_gather:
         gather_in_fp8(model, groups=[name for name, _ in units])
     for name, fp32 in units:
@@ -188,12 +189,19 @@ def _default_blocks(model: nn.Module, named: list[tuple[str, nn.Module]]) -> lis
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             return [f"{name}.{child}" for child, _ in module.named_children()]
     if isinstance(model, nn.Sequential):
+        # Layers that share a parameter with another (tied embeddings) stay in the root.
+        owners: dict[int, set[str]] = {}
+        for name, child in model.named_children():
+            for param in child.parameters():
+                owners.setdefault(id(param), set()).add(name)
         layers = [name for name, child in model.named_children()
-                  if next(child.parameters(), None) is not None]
+                  if next(child.parameters(), None) is not None
+                  and all(len(owners[id(p)]) == 1 for p in child.parameters())]
         if layers:
             return layers
-    raise ValueError(f"shard: {type(model).__name__} has no nn.ModuleList of blocks to shard "
-                     "one by one (modules=None); valid: pass modules= names or fnmatch patterns, "
+    raise ValueError(f"shard: {type(model).__name__} has no blocks to shard one by one (an "
+                     "nn.ModuleList's children, or an nn.Sequential's layers, with modules=None); "
+                     "valid: pass modules= names or fnmatch patterns, "
                      f"e.g. {_examples(named)}, or modules=[] for one group at the root")
 
 
@@ -224,6 +232,23 @@ def _without_containers(model: nn.Module, name: str) -> list[str]:
         return [name]
     return [leaf for child, _ in module.named_children()
             for leaf in _without_containers(model, f"{name}.{child}")]
+
+
+def _check_shared(model: nn.Module, units: list[str]) -> None:
+    """Refuse groups that split a shared parameter (tied weights): fully_shard would fail
+    on the second group, with the first one sharded already."""
+    owner: dict[int, tuple[str, str]] = {}  # id(param) -> (its group, its name)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        group = max((u for u in units if module_name == u or _inside(module_name, u)),
+                    key=len, default="")
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}".strip(".")
+            first = owner.setdefault(id(param), (group, name))
+            if first[0] != group:
+                raise ValueError(
+                    f"shard: parameter {first[1]!r} is shared with {name!r}, but they would be "
+                    f"in different groups ({first[0] or 'the root'!r} and {group or 'the root'!r}); "
+                    "valid: modules= that puts both in one group, or leaves both to the root")
 
 
 def _inside(name: str, other: str) -> bool:
