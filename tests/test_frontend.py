@@ -595,9 +595,12 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
         load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "loss_scaler1": 3})
     # Named by the checkpoint's own keys and entry (it said "scale=-1.0", "_growth_tracker").
     for entry, error, words in [
-            ({"loss_scale": -1.0, "unskipped": 0}, ValueError, r"\['loss_scale'\] is -1.0; valid"),
-            ({"loss_scale": float("nan"), "unskipped": 0}, ValueError, r"\['loss_scale'\] is nan"),
-            ({"loss_scale": "8", "unskipped": 0}, TypeError, r"\['loss_scale'\] is str '8'"),
+            ({"loss_scale": -1.0, "unskipped": 0}, ValueError,
+             r"\['loss_scale'\] must be a positive finite number, got -1.0"),
+            ({"loss_scale": float("nan"), "unskipped": 0}, ValueError, r"\['loss_scale'\].*got nan"),
+            ({"loss_scale": 0.0, "unskipped": 0}, ValueError, r"\['loss_scale'\].*got 0.0"),
+            ({"loss_scale": float("inf"), "unskipped": 0}, ValueError, r"\['loss_scale'\].*got inf"),
+            ({"loss_scale": "8", "unskipped": 0}, TypeError, r"\['loss_scale'\].*got str '8'"),
             ({"loss_scale": 8.0, "unskipped": -1}, ValueError, r"\['unskipped'\] must be an int"),
             ({"loss_scale": 8.0, "unskipped": 1.5}, TypeError, r"\['unskipped'\] must be an int")]:
         with pytest.raises(error, match=r"amp state_dict\['loss_scaler1'\]" + words):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -102,15 +100,10 @@ def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
     if not (isinstance(entry, dict) and "loss_scale" in entry and "unskipped" in entry):
         raise ValueError(f"amp state_dict[{key!r}] is {entry!r}; valid: a dict with 'loss_scale' "
                          "and 'unskipped'")
-    # Checked under apex's names, naming the entry; the scaler checks the rest.
+    # Checked under apex's names, naming the entry, as a write to _loss_scale is: a scale
+    # of 0 or inf would be applied (O0, O3) clamped to a bound nothing brings back.
     where = f"amp state_dict[{key!r}]"
-    scale = entry["loss_scale"]
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{where}['loss_scale'] is {type(scale).__name__} {scale!r}; valid: a "
-                        "number >= 0 (the loss scale, as ampkit.state_dict() writes it)")
-    if math.isnan(scale) or scale < 0:
-        raise ValueError(f"{where}['loss_scale'] is {scale!r}; valid: a number >= 0 (the loss "
-                         "scale, as ampkit.state_dict() writes it)")
+    check_positive(f"{where}['loss_scale']", entry["loss_scale"])
     check_int(f"{where}['unskipped']", entry["unskipped"], 0)
     # The scale and the clean-step count; settings (bounds, interval) stay this scaler's.
     return {"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"],
