@@ -215,8 +215,9 @@ def test_converting_again_same_config_is_a_no_op_another_is_refused():
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
     assert convert_to_fp8(model, recipe=EMU["tensorwise"]) is model
     assert [m for m in model.modules() if isinstance(m, Float8Linear)] == layers
-    with pytest.raises(ValueError, match=r"convert_to_fp8\(recipe=delayed\(16,max\)\): '0' "
-                                         r"\(tensorwise\).* are fp8 already.*valid: the same"):
+    with pytest.raises(ValueError, match=r"convert_to_fp8\(recipe=delayed\(16,max\)\): layers "
+                                         r"already fp8 with another config would stay so: '0' "
+                                         r"\(tensorwise\).*valid: the same"):
         convert_to_fp8(model, recipe=EMU["delayed"])
     assert {m.config for m in model.modules() if isinstance(m, Float8Linear)} == {EMU["tensorwise"]}
     # A filter that leaves them out gives per-layer recipes.

@@ -153,10 +153,10 @@ def _refuse_other_recipes(model: nn.Module, config: Float8Config,
         names = ", ".join(f"{name!r} ({label[cfg]})" for name, cfg in other[:4])
         more = f" and {len(other) - 4} more" if len(other) > 4 else ""
         asked = repr(config) if any(cfg.short == config.short for _, cfg in other) else config.short
-        raise ValueError(f"convert_to_fp8(recipe={asked}): {names}{more} are fp8 "
-                         "already, with another config, and would stay so; valid: the same "
-                         "config again (a no-op), a module_filter that leaves them out (per-"
-                         "layer recipes), or a model not converted yet")
+        raise ValueError(f"convert_to_fp8(recipe={asked}): layers already fp8 with another "
+                         f"config would stay so: {names}{more}; valid: the same config again "
+                         "(a no-op), a module_filter that leaves them out (per-layer recipes), "
+                         "or a model not converted yet")
 
 
 def _delayed_layers(model: nn.Module) -> dict[str, Float8Linear]:
