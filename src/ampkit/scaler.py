@@ -38,7 +38,7 @@ from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _back
 # OptState: torch's own enum objects, so code that inspects ``_per_optimizer_states``
 # stages keeps working.
 from ._fused import clear_if_skipped, fresh_momentum
-from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_
+from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_, is_compiling
 from ._unscale import fold_into, unscale_grads_, unscale_per_device
 from .optim import master_weights_of
 
@@ -84,8 +84,11 @@ _FOLD_EVERY = 64  # updates whose overflow flags are kept before the skip counte
 def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
     """Note whether a step overflowed (None: not known on the host, e.g. a fused step)
     and warn when a streak of overflows has the scale at its floor, where it cannot back
-    off further. Reads the scale only on every 16th overflow in a row.
+    off further. Reads the scale only on every 16th overflow in a row. Not while
+    torch.compile traces: dynamo would guard on the streak and recompile as it grows.
     """
+    if is_compiling():
+        return
     scaler._host_overflow_streak = scaler._host_overflow_streak + 1 if overflow else 0
     if scaler._host_overflow_streak % _FLOOR_CHECK_STREAK or not scaler._host_overflow_streak:
         return
@@ -193,6 +196,7 @@ class GradScaler:
         self._init_consecutive_skips = 0
         self._steps = 0
         # Device tensors, created on the first scaled tensor's device.
+        self._traced_steps: Optional[Tensor] = None  # updates counted inside torch.compile
         self._scale: Optional[Tensor] = None
         self._growth_tracker: Optional[Tensor] = None
         self._skipped_steps: Optional[Tensor] = None
@@ -240,6 +244,7 @@ class GradScaler:
         self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
         self._consecutive_skips = torch.full((), self._init_consecutive_skips, dtype=torch.int32,
                                              device=dev)
+        self._traced_steps = torch.zeros((), dtype=torch.int64, device=dev)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
         fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
@@ -617,8 +622,16 @@ class GradScaler:
         counters are read, or every 64 updates. Hysteresis reads the run of overflows
         every update, so it folds at once.
         """
-        self._steps += 1
         self._last_skipped_host = None  # known on the device only, until someone asks
+        if is_compiling():
+            # Traced: dynamo would guard on a Python count and on the list's length, and
+            # recompile at every update; counted and folded on the device instead.
+            if self._pending_found:  # eager updates before: in order
+                self._fold_counters()
+            self._traced_steps.add_(1)
+            self._fold_flag(found_inf)
+            return
+        self._steps += 1
         self._pending_found.append(found_inf)
         if self._hysteresis > 1 or len(self._pending_found) >= _FOLD_EVERY:
             self._fold_counters()
@@ -627,9 +640,7 @@ class GradScaler:
         """Add the pending updates' overflows to the skip counters, on the device."""
         pending, self._pending_found = self._pending_found, []
         if len(pending) == 1:
-            overflow = pending[0] > 0
-            self._skipped_steps.add_(overflow)
-            self._consecutive_skips.add_(1).mul_(overflow)
+            self._fold_flag(pending[0])
         elif pending:
             n = len(pending)
             flags = torch.stack([f.reshape(()) for f in pending]) > 0
@@ -640,6 +651,12 @@ class GradScaler:
             last_clean = torch.where(flags, 0, order).max()
             run = torch.where(last_clean > 0, n - last_clean, self._consecutive_skips + n)
             self._consecutive_skips.copy_(run)
+
+    def _fold_flag(self, found_inf: Tensor) -> None:
+        """Add one update's overflow flag to the skip counters, on the device."""
+        overflow = found_inf > 0
+        self._skipped_steps.add_(overflow)
+        self._consecutive_skips.add_(1).mul_(overflow)
 
     def _set_scale(self, new_scale: Union[float, Tensor]) -> None:
         scale = self._scale
@@ -726,8 +743,9 @@ class GradScaler:
                                self._init_consecutive_skips)
         self._fold_counters()
         values = torch.stack([self._scale.double(), self._skipped_steps.double(),
-                              self._consecutive_skips.double()]).tolist()
-        return ScalerStats(values[0], self._steps, int(values[1]), int(values[2]))
+                              self._consecutive_skips.double(),
+                              self._traced_steps.double()]).tolist()
+        return ScalerStats(values[0], self._steps + int(values[3]), int(values[1]), int(values[2]))
 
     @property
     def last_step_skipped(self) -> bool:
@@ -800,6 +818,7 @@ class GradScaler:
             self._growth_tracker.fill_(self._init_growth_tracker)
             self._skipped_steps.fill_(self._init_skipped_steps)
             self._consecutive_skips.fill_(self._init_consecutive_skips)
+            self._traced_steps.zero_()
         self._pending_found = []
         self._last_skipped_host = self._init_consecutive_skips > 0
 
@@ -834,7 +853,9 @@ class GradScaler:
             state["_init_skipped_steps"] = stats.skipped_steps
             state["_init_consecutive_skips"] = stats.consecutive_skips
             state["_last_skipped_host"] = stats.consecutive_skips > 0
-            for name in ("_scale", "_growth_tracker", "_skipped_steps", "_consecutive_skips"):
+            state["_steps"] = stats.steps
+            for name in ("_scale", "_growth_tracker", "_skipped_steps", "_consecutive_skips",
+                         "_traced_steps"):
                 state[name] = None
             state["_pending_found"] = []  # folded into the counters read by stats() above
         return state
@@ -843,4 +864,5 @@ class GradScaler:
         state.setdefault("_fp16_grads", False)  # pickled before the fp16 floor existed
         state.setdefault("_host_overflow_streak", 0)
         state.setdefault("_pending_found", [])
+        state.setdefault("_traced_steps", None)
         self.__dict__.update(state)
