@@ -258,7 +258,7 @@ def graph_break(reason: str) -> None:
     ``graph_break`` takes no message, and the error shows the calling line instead).
     """
     if _GRAPH_BREAK_TAKES_MSG:
-        torch._dynamo.graph_break(reason)
+        torch._dynamo.graph_break(msg=reason)
     else:
         torch._dynamo.graph_break()
 
