@@ -491,3 +491,35 @@ def test_compiled_region_that_must_put_overrides_in_place_breaks_the_graph():
         got = compiled(a, b)
         assert all(g.dtype is e.dtype and torch.equal(g, e) for g, e in zip(got, eager))
         assert torch.mm is original and overrides._open_regions == []
+
+
+def _override_weight_grad(compiled: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=gen, requires_grad=True)
+    w = torch.randn(16, 4, generator=gen, requires_grad=True)
+    f = (lambda a, w: torch.mm(a, w))  # noqa: E731
+    run = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+    with autocast("cpu", dtype=torch.bfloat16):
+        out = run(a, w)
+    (out * torch.linspace(0.1, 3.3, 32).reshape(8, 4)).sum().backward()
+    return w.grad
+
+
+@pytest.mark.xfail(strict=True, reason="torch's compiled backward reruns under the forward's "
+                   "outer autocast (backward_pass_autocast='same_as_forward', pytorch#179804): "
+                   "an fp32 override's backward runs in half; docs/migrating-from-apex.md")
+def test_a_compiled_fp32_override_has_an_fp32_backward():
+    torch._dynamo.reset()
+    ampkit.register_float_function(torch, "mm")
+    assert torch.equal(_override_weight_grad(True), _override_weight_grad(False))
+
+
+def test_a_compiled_fp32_override_has_an_fp32_backward_with_backward_autocast_off(monkeypatch):
+    """The documented workaround."""
+    import torch._functorch.config as functorch_config
+    if not hasattr(functorch_config, "backward_pass_autocast"):
+        pytest.skip(f"torch {torch.__version__} has no backward_pass_autocast setting")
+    monkeypatch.setattr(functorch_config, "backward_pass_autocast", "off")
+    torch._dynamo.reset()
+    ampkit.register_float_function(torch, "mm")
+    assert torch.equal(_override_weight_grad(True), _override_weight_grad(False))
