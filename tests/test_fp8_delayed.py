@@ -226,7 +226,7 @@ def test_checkpointed_scales_follow_each_call_and_each_backward():
     (retain_graph), and a forward with no backward: each recomputation casts as its own
     forward did, and the kept scales go with their graphs."""
     import gc
-    from ampkit.fp8 import linear
+    from ampkit.fp8 import checkpointed as kept_scales
     plain, checkpointed = _pair()
     gen = torch.Generator().manual_seed(2)
     x1, x2 = (torch.randn(16, 32, generator=gen) * s for s in (1.0, 5.0))
@@ -240,4 +240,4 @@ def test_checkpointed_scales_follow_each_call_and_each_backward():
     _same(plain, checkpointed)
     del y1, y2
     gc.collect()
-    assert len(linear._CHECKPOINTED) == 0 and len(linear._RECOMPUTED) == 0
+    assert kept_scales.pending_calls() == 0

@@ -12,28 +12,21 @@ The high-precision weight stays the nn.Parameter; fp8 copies live only inside a 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._dtypes import autocast_output_dtype, capability, fp8_supported, to_dtype
-from .._torch_compat import AfterApply, checkpoint_call, is_compiling, scaled_mm, unsafe_view
+from .._torch_compat import AfterApply, is_compiling, scaled_mm, unsafe_view
 from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
+from .checkpointed import checkpointed_scales
 from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 _ROLE_NAMES = ("input", "weight", "grad_output")
-# Delayed recipe under torch.utils.checkpoint (non-reentrant): per checkpointed call (its
-# frame: freed with its graph), the amaxes each layer's forward scaled its input and weight
-# by, in call order; and per (backward, layer) how many of them its recomputations used.
-_CHECKPOINTED: "weakref.WeakKeyDictionary[Any, dict[int, list[tuple[Tensor, ...]]]]" = (
-    weakref.WeakKeyDictionary())
-_RECOMPUTED: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], int]]" = (
-    weakref.WeakKeyDictionary())
 
 
 def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
@@ -375,33 +368,10 @@ class Float8Linear(AfterApply, nn.Linear):
             self._delayed_started = True
         return True
 
-    def _checkpointed_scales(self) -> tuple[Optional[list[Tensor]], Optional[tuple[Tensor, ...]]]:
-        """(used, fixed) for this forward under torch.utils.checkpoint (non-reentrant).
-
-        Its forward records as usual and keeps the amaxes its scales came from, with the
-        checkpointed call; each recomputation of that call (one per backward) casts this
-        layer's n-th call by the n-th kept pair and records nothing: the fp8 tensors it
-        recomputes are those the forward made, and the histories hold one entry per step.
-        """
-        if self.config.recipe is not Recipe.DELAYED or not torch.is_grad_enabled():
-            return None, None
-        call = checkpoint_call()
-        if call is None:
-            return None, None
-        if call.phase == "forward":
-            used: list[Tensor] = []
-            _CHECKPOINTED.setdefault(call.frame, {}).setdefault(id(self), []).append(used)
-            return used, None
-        kept = _CHECKPOINTED.get(call.frame, {}).get(id(self), [])
-        counts = _RECOMPUTED.setdefault(call.frame, {})
-        n = counts.get((call.backward, id(self)), 0)
-        counts[(call.backward, id(self))] = n + 1
-        if n < len(kept) and len(kept[n]) == 2:
-            return None, tuple(kept[n])
-        # Not kept (the forward ran where no view of checkpoint was): scale by the
-        # histories as they are, and record nothing a second time.
-        return None, (history_amax(self.amax_history_input, self.config.amax_compute_algo),
-                      history_amax(self.amax_history_weight, self.config.amax_compute_algo))
+    def _history_scales(self) -> tuple[Tensor, Tensor]:
+        """The amaxes the input and weight histories give now."""
+        algo = self.config.amax_compute_algo
+        return history_amax(self.amax_history_input, algo), history_amax(self.amax_history_weight, algo)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -414,7 +384,8 @@ class Float8Linear(AfterApply, nn.Linear):
             return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
         histories = (self.amax_history_input, self.amax_history_weight,
                      self.amax_history_grad_output)
-        used, fixed = self._checkpointed_scales()
+        used, fixed = (checkpointed_scales(self, self._history_scales)
+                       if self.config.recipe is Recipe.DELAYED else (None, None))
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, tuple(x.shape[:-1]),
                                  self.config, native, autocast_output_dtype(x), self._warmup_step(),
                                  torch.is_grad_enabled() and fixed is None, *histories, used, fixed)
