@@ -246,15 +246,16 @@ def dynamo_reset() -> None:
     torch._dynamo.reset()
 
 
-# Force a graph break (2.0; the message argument since 2.6).
+# Force a graph break (2.0). Its msg= argument: checked in 2.11 and 2.13, absent in 2.5;
+# the releases between are not checked, so they get no message (the calling line shows).
 TORCH_PATHS.append("torch._dynamo.graph_break")
-_GRAPH_BREAK_TAKES_MSG = TORCH_VERSION >= (2, 6)
+_GRAPH_BREAK_TAKES_MSG = TORCH_VERSION >= (2, 11)
 
 
 def graph_break(reason: str) -> None:
     """Break dynamo's graph here; called only while it traces, so dynamo is imported.
 
-    The reason shows in the error under ``fullgraph=True`` (torch >= 2.6 takes it; 2.5's
+    The reason shows in the error under ``fullgraph=True`` (torch >= 2.11 takes it; 2.5's
     ``graph_break`` takes no message, and the error shows the calling line instead).
     """
     if _GRAPH_BREAK_TAKES_MSG:
