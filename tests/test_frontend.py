@@ -1178,6 +1178,21 @@ def test_o3_fp16_warns_when_adams_eps_rounds_to_zero_and_says_why():
         assert said == [] and _o3_step(model, opt).isfinite().all()
 
 
+def test_a_group_added_later_with_an_eps_fp16_rounds_to_zero_is_warned_about_too():
+    """The check ran at initialize only: a group added later with eps=1e-8 wrote NaN into
+    its weights at the first step, unwarned."""
+    model, opt, said = _o3_adamw(1e-4)
+    extra = nn.Linear(4, 4).half()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.add_param_group({"params": list(extra.parameters())})  # the defaults: eps 1e-4
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(3, dtype=torch.float16))],
+                             "eps": 1e-8})
+    said += [str(w.message) for w in caught if "rounds to 0 in fp16" in str(w.message)]
+    assert len(said) == 1 and "eps=1e-08" in said[0]
+    assert len(opt.param_groups) == 3 and opt.param_groups[2]["eps"] == 1e-8  # added all the same
+
+
 @pytest.mark.parametrize("level, half", [("O2", torch.float16), ("O3", torch.bfloat16)])
 def test_masters_or_bf16_give_no_eps_warning(level, half):
     model = _model()

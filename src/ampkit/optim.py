@@ -99,7 +99,7 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         _refuse_orphans_once()
     else:
         _recast_state(optimizer)
-        _warn_if_eps_vanishes(optimizer)
+        _warn_if_eps_vanishes(optimizer, optimizer.param_groups)
     setattr(optimizer, ATTR, stash)
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
@@ -109,8 +109,9 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
     return stash
 
 
-def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer) -> None:
-    """Warn where the optimizer steps fp16 params itself with an ``eps`` fp16 rounds to 0.
+def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
+    """Warn where the optimizer steps fp16 params of ``groups`` itself with an ``eps``
+    fp16 rounds to 0 (checked at initialize and for each group added later).
 
     Adam's (and RMSprop's, Adagrad's) state is then fp16 too, and its for-loop and
     foreach steps compute in fp16: the square of a gradient below about 5e-3 underflows
@@ -119,7 +120,7 @@ def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer) -> None:
     the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused
     step computes in fp32 and is spared.
     """
-    for group in optimizer.param_groups:
+    for group in groups:
         eps = group.get("eps")
         if (not group.get("fused") and isinstance(eps, (int, float))
                 and not isinstance(eps, bool) and eps > 0
@@ -262,6 +263,7 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
     masters = stash.masters
     if masters is None:
         stash.inner_add_param_group(group)
+        _warn_if_eps_vanishes(self, self.param_groups[-1:])  # torch filled in the defaults
         return
     # torch validates the group (duplicates, non-leaf tensors, ...) and adds it first;
     # only then are its half params swapped for masters, so a refused group changes nothing.
