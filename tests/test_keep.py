@@ -128,10 +128,11 @@ def test_keeping_a_module_already_in_fp8_is_refused():
     model = Net()
     convert_to_fp8(model, recipe=ampkit.fp8.Float8Config("tensorwise", emulate=True))
     with pytest.raises(ValueError, match=r"module 'body' already computes in fp8 \('body.0'.*"
-                                         r"valid: call keep_fp32 before convert_to_fp8"):
+                                         r"valid: keep it in fp32 before convert_to_fp8"):
         ampkit.keep_fp32(model, ["head", "body"])
     assert ampkit.keep.kept_names(model) == []  # refused before anything changed
-    with pytest.raises(ValueError, match=r"module 'head' already computes in fp8"):
+    with pytest.raises(ValueError, match=r"^keep_fp32= argument: module 'head' already "
+                                         r"computes in fp8.*valid: keep it in fp32 before"):
         ampkit.initialize(model, opt_level="O2", keep_fp32=["head"], verbosity=0)
     assert model.head.weight.dtype == F32 and ampkit.keep.kept_names(model) == []
 

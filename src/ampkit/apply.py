@@ -90,7 +90,7 @@ def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[st
             keep.select(models[0], selector)  # raises, naming the pattern and real names
     selections = [keep.select(model, modules, strict=False) for model in models]
     for model, names in zip(models, selections):
-        keep.check_not_fp8(model, names)
+        keep.check_not_fp8(model, names, caller="keep_fp32= argument")
     return selections
 
 

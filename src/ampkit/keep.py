@@ -108,18 +108,19 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
                 f"half inputs; valid: a selection that still holds it, e.g. {sorted(set(after) | {name})}")
 
 
-def check_not_fp8(model: nn.Module, names: Iterable[str]) -> None:
+def check_not_fp8(model: nn.Module, names: Iterable[str], caller: str = "keep_fp32") -> None:
     """Refuse to keep a module that already holds fp8 layers: they would go on computing
-    in fp8 behind fp32 outputs (``convert_to_fp8`` leaves kept modules alone instead)."""
+    in fp8 behind fp32 outputs (``convert_to_fp8`` leaves kept modules alone instead).
+    ``caller``: what the message names (``keep_fp32``, or the ``keep_fp32=`` argument)."""
     from .fp8.linear import Float8Linear  # here: ampkit.fp8 imports this module
 
     for name in names:
         fp8 = next((f"{name}.{n}".strip(".") for n, m in model.get_submodule(name).named_modules()
                     if isinstance(m, Float8Linear)), None)
         if fp8 is not None:
-            raise ValueError(f"keep_fp32: module {name!r} already computes in fp8 ({fp8!r}: "
-                             "convert_to_fp8 swapped it), and would keep doing so; valid: call "
-                             "keep_fp32 before convert_to_fp8 (which then leaves it alone), or "
+            raise ValueError(f"{caller}: module {name!r} already computes in fp8 ({fp8!r}: "
+                             "convert_to_fp8 swapped it), and would keep doing so; valid: keep it "
+                             "in fp32 before convert_to_fp8 (which then leaves it alone), or "
                              "leave it out with convert_to_fp8(..., module_filter=...)")
 
 
