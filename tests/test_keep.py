@@ -235,3 +235,22 @@ def test_a_module_instance_is_not_taken_for_a_callable_selector():
     model = Net()
     with pytest.raises(TypeError, match=r"Linear\(in_features=32.* is not a module selector"):
         ampkit.keep_fp32(model, model.head)
+
+
+def test_outside_autocast_a_model_without_half_inputs_runs_as_it_would_unkept():
+    """keep_fp32 cast every input to fp32 even with no autocast region and no half input:
+    a float64 model failed ("mat1 and mat2 must have the same dtype"), and a meta-device
+    model (shape inference) failed asking for an autocast the meta device has not."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    expected = model(x)
+    ampkit.keep_fp32(model, "1")
+    assert torch.equal(model(x), expected) and model(x).dtype == torch.float64
+    meta = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to("meta")
+    ampkit.keep_fp32(meta, "1")
+    out = meta(torch.empty(3, 4, device="meta"))
+    assert out.shape == (3, 2) and out.device.type == "meta"
+    with ampkit.autocast("cpu", dtype=BF16):  # inside a region: the kept module in fp32
+        net = Net()
+        ampkit.keep_fp32(net, "head")
+        assert net(torch.randn(2, 16)).dtype == F32

@@ -219,12 +219,18 @@ class _Fp32Region:
         from .autocast import autocast  # autocast imports nothing of this module
 
         device = _device_type(module, args)
-        half_in = _half_dtype_of(args)
+        stack = self._local.__dict__.setdefault("stack", [])
+        autocasting = _has_autocast(device) and torch.is_autocast_enabled(device)
         # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype.
-        restore = half_in if not torch.is_autocast_enabled(device) else None
+        restore = None if autocasting else _half_dtype_of(args)
+        if not autocasting and restore is None:
+            # No region and no half input (an fp32 or fp64 model, the meta device): the
+            # module's forward runs as it would without keep_fp32.
+            stack.append((None, None))
+            return args, kwargs
         region = autocast(device, enabled=False)
         region.__enter__()
-        self._local.__dict__.setdefault("stack", []).append((region, restore))
+        stack.append((region, restore))
         return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -232,6 +238,8 @@ class _Fp32Region:
         if not stack:
             return output
         region, restore = stack.pop()
+        if region is None:
+            return output
         region.__exit__(None, None, None)
         return output if restore is None else cast_tree(output, restore)
 
@@ -242,6 +250,11 @@ def _device_type(module: nn.Module, args: tuple) -> str:
     for param in module.parameters():
         return param.device.type
     return "cpu"
+
+
+def _has_autocast(device_type: str) -> bool:
+    """Whether torch has an autocast for ``device_type`` (not for "meta", for one)."""
+    return device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
 
 
 def _half_dtype_of(args: tuple) -> Optional[torch.dtype]:
