@@ -220,6 +220,28 @@ def test_state_dict_saves_and_loads_the_fp32_masters(dtype):
     assert torch.equal(model[1].weight, loaded["1.weight"])  # kept fp32: no master
 
 
+@pytest.mark.parametrize("masters", [True, False], ids=["O2", "O3"])
+def test_keep_vars_gives_variables_that_say_they_train_in_fp32(masters):
+    """state_dict(keep_vars=True) gave detached masters (requires_grad False): the idiom
+    that saves only the trained entries, ``{k: v ... if v.requires_grad}``, dropped every
+    half parameter's. Now: the master itself (the variable the optimizer steps), or
+    without masters an fp32 copy that trains as its parameter does."""
+    model = _net()
+    convert_model(model, param_dtype=torch.bfloat16)
+    model[2].bias.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    found = attach_master_weights(optimizer).master_params if masters else []
+    state = model.state_dict(keep_vars=True)
+    trained = {k for k, v in state.items() if v.requires_grad}
+    assert trained == {k for k, p in model.named_parameters() if p.requires_grad}
+    assert "2.bias" not in trained and {v.dtype for k, v in state.items()
+                                        if "num_batches" not in k} == {torch.float32}
+    if masters:
+        assert state["0.weight"] is found[0]
+    assert model[1].weight is state["1.weight"]  # kept fp32: the Parameter, as torch gives
+    assert all(not v.requires_grad for v in model.state_dict().values())  # detached as before
+
+
 def test_a_wrapper_around_the_converted_forward_survives_converting_again():
     """accelerate-style: wrap model.forward.__func__ after one conversion, convert again:
     the casts run once and nothing recurses."""

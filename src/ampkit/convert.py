@@ -331,8 +331,17 @@ def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
         if param is None or key not in state_dict:
             continue
         master = master_of(param)
-        # The fp32 master, not the half parameter rounded from it: the exact training state.
-        state_dict[key] = master.detach() if master is not None else _fp32(state_dict[key])
+        keep_vars = state_dict[key] is param  # state_dict(keep_vars=True): the variables
+        if master is None:
+            value = _fp32(state_dict[key])
+            # An fp32 copy of a half parameter still says whether it trains, as the
+            # parameter would (``{k: v ... if v.requires_grad}`` picks the trained ones).
+            state_dict[key] = (value.requires_grad_(param.requires_grad)
+                               if keep_vars and value is not param else value)
+        else:
+            # The fp32 master, not the half parameter rounded from it: the exact training
+            # state; with keep_vars the master itself, the variable the optimizer steps.
+            state_dict[key] = master if keep_vars else master.detach()
     for name, buf in local_buffers(module).items():
         key = prefix + name
         if buf is not None and key in state_dict:
