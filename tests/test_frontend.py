@@ -1145,6 +1145,20 @@ def test_a_model_cast_to_half_before_an_fp32_level_is_warned_about(level):
         initialize(_model(), opt_level=level)
 
 
+def test_a_model_an_earlier_initialize_cast_is_not_warned_about():
+    """initialize warned that O3's half params "stay float16" under O1, then cast them back
+    to fp32; and initialize(enabled=False), which applies no level, warned as well."""
+    model = _model()
+    initialize(model, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        initialize(model, opt_level="O1", verbosity=0)
+        assert model[0].weight.dtype == torch.float32  # what the warning denied
+        initialize(model, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+        initialize(model, enabled=False, verbosity=0)
+    assert model[0].weight.dtype == torch.float16  # enabled=False: untouched, as apex
+
+
 # --- O3 fp16 and an optimizer's eps ----------------------------------------------------------
 
 def _o3_adamw(eps: float, **kwargs):

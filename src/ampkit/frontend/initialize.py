@@ -12,6 +12,7 @@ from .. import _state
 from .._checks import check_bool, check_int
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, resolve_dtype
 from ..apply import ModelArg, OptimizerArg, check_models, check_optimizers, device_type_of, plan
+from ..convert import conversion_of
 from ..keep import Modules
 from ..policy import OPT_LEVELS, Policy, get_policy
 
@@ -75,13 +76,13 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
                        explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32)
     # Nothing was modified above this line.
-    _warn_about_half_params(application.models, policy, level)
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
         return models if optimizers is None else (models, optimizers)
     _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
                                        scalers=application.scalers, log_level=log_level,
                                        scaling=policy.loss_scaling.kind != "none"))
+    _warn_about_half_params(application.models, policy, level)
     application.apply()
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
@@ -105,6 +106,8 @@ def _warn_about_half_params(models: list[torch.nn.Module], policy: Policy, level
     if policy.param_dtype != torch.float32:
         return
     for model in models:
+        if conversion_of(model) is not None:
+            continue  # an earlier initialize's cast: undone before this one applies
         for name, param in model.named_parameters():
             if param.dtype in HALF_DTYPES:
                 warnings.warn(
