@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import gc
 import inspect
+import pickle
 import types
 import weakref
 from typing import NamedTuple
@@ -240,6 +241,25 @@ def test_keep_vars_gives_variables_that_say_they_train_in_fp32(masters):
         assert state["0.weight"] is found[0]
     assert model[1].weight is state["1.weight"]  # kept fp32: the Parameter, as torch gives
     assert all(not v.requires_grad for v in model.state_dict().values())  # detached as before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_half_model_cast_again_takes_inputs_in_its_new_dtype(dtype):
+    """model.float() after O2 (to evaluate or export in fp32) failed: the converted
+    forward went on casting inputs to half ("mat1 and mat2 must have the same dtype")."""
+    model = _net()
+    casts = ForwardCasts(input_dtype=torch.float16, output_dtype=torch.float32)
+    convert_model(model, param_dtype=torch.float16, casts=casts)
+    x = torch.randn(3, 4)
+    half_out = model.eval()(x)
+    model.to(dtype)
+    expected = _net().to(dtype).eval()
+    expected.load_state_dict(model.state_dict())
+    out = model(x.to(dtype))
+    assert out.dtype == torch.float32 and torch.equal(out, expected(x.to(dtype)).float())
+    assert not torch.equal(out, half_out)
+    copy = pickle.loads(pickle.dumps(model))  # the copy knows it was cast too
+    assert torch.equal(copy(x.to(dtype)), out)
 
 
 def test_a_wrapper_around_the_converted_forward_survives_converting_again():

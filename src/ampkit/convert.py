@@ -120,20 +120,28 @@ class ConvertHandle:
     """What one conversion installed on a model; ``remove()`` takes it all off.
 
     ``casts``: what the converted forward does (None once removed); ``inner_forward``:
-    the model's own ``forward`` attribute before the conversion (None: its class's).
+    the model's own ``forward`` attribute before the conversion (None: its class's);
+    ``cast_param``: one parameter the conversion cast to half (None: none was), whose
+    dtype tells the forward when the user cast the model again (``.float()``).
     """
+
+    cast_param: Optional[Tensor] = None  # class defaults: handles pickled before these
+    param_dtype: torch.dtype = torch.float32
 
     def __init__(self, model: nn.Module) -> None:
         self._model: Optional[weakref.ref] = weakref.ref(model)
         self.handles: list[RemovableHandle] = []
         self.casts: Optional[ForwardCasts] = None
         self.inner_forward: Optional[Callable[..., Any]] = None
+        self.cast_param = None
+        self.param_dtype = torch.float32  # what the conversion cast the parameters to
 
     def __getstate__(self) -> dict:
         # A weak reference does not pickle; an unpickled model finds its handle through
         # its own attribute (conversion_of), so the copy needs none.
         return {"_model": None, "handles": self.handles, "casts": self.casts,
-                "inner_forward": self.inner_forward}
+                "inner_forward": self.inner_forward, "cast_param": self.cast_param,
+                "param_dtype": self.param_dtype}
 
     def remove(self) -> None:
         """Remove every hook and the converted forward (the parameters keep their dtype)."""
@@ -193,6 +201,8 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
     handle = ConvertHandle(model)
     if param_dtype != torch.float32:
         cast_model(model, param_dtype, keep_fp32=keep_fp32, keep_modules=keep_modules)
+        handle.param_dtype = param_dtype
+        handle.cast_param = next((p for p in model.parameters() if p.dtype == param_dtype), None)
     if param_dtype in HALF_DTYPES:
         handle.handles += _install_fp32_state_dict(model)
     if casts.active:
@@ -226,9 +236,13 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     if casts is None:
         return _inner_forward(module, inner, args, kwargs)
     if casts.input_dtype is not None:
-        args = cast_floating(args, casts.input_dtype)
+        dtype = casts.input_dtype
+        cast_param = handle.cast_param
+        if cast_param is not None and cast_param.dtype != handle.param_dtype:
+            dtype = cast_param.dtype  # cast since (.float(), .to(float64)): inputs follow
+        args = cast_floating(args, dtype)
         if kwargs:
-            kwargs = cast_floating(kwargs, casts.input_dtype)
+            kwargs = cast_floating(kwargs, dtype)
     if casts.autocast is None:
         output = _inner_forward(module, inner, args, kwargs)
     else:
