@@ -190,3 +190,76 @@ def test_bf16_o2_and_an_explicit_min_loss_scale_keep_their_floor():
     assert _state.get_active().scalers[0].min_scale is None
     model, opt = _init("O2", F16, min_loss_scale=2.0**-4)
     assert _state.get_active().scalers[0].min_scale == 2.0**-4
+
+
+# --- apex's own tests: cast_model_type=False, master_weights at O0 ----------------------------
+class _TwoDtypes(nn.Module):
+    """apex's tests/L0/run_amp/test_multiple_models_optimizers_losses.py model: one fp32
+    and one fp16 parameter, values every step keeps exact."""
+
+    def __init__(self, unique: float) -> None:
+        super().__init__()
+        self.weight0 = nn.Parameter(unique + torch.arange(2, dtype=torch.float32))
+        self.weight1 = nn.Parameter(1.0 + unique + torch.arange(2, dtype=torch.float16))
+
+    def forward(self, x):
+        return (x * self.weight0.float() * self.weight1.float()).sum()
+
+
+def _two_models_one_optimizer():
+    models = [_TwoDtypes(1.0), _TwoDtypes(2.0)]
+    opt = torch.optim.SGD([{"params": models[0].parameters(), "lr": 0.25},
+                           {"params": models[1].parameters(), "lr": 0.5}], momentum=0.125)
+    return models, opt
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_cast_model_type_false_leaves_the_dtypes_and_trains_as_apex_did(level):
+    """apex's multi-model tests pass cast_model_type=False ("do not cast the model"):
+    ampkit refused it ("must be a torch.dtype"). Now the parameters keep their dtypes, and
+    under O2 the fp16 ones still get fp32 masters, as apex made them; both models train
+    exactly as the plain loop does, two losses with their own loss scalers."""
+    x = torch.ones(2)
+    reference, ref_opt = _two_models_one_optimizer()
+    for _ in range(2):
+        ref_opt.zero_grad()
+        for model in reference:
+            model(x).backward()
+        ref_opt.step()
+    models, opt = _two_models_one_optimizer()
+    models, opt = amp.initialize(models, opt, opt_level=level, cast_model_type=False,
+                                 num_losses=2, half_dtype=F16, verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 4.0  # as apex's test: 2**16 overflows fp16
+    amp._amp_state.loss_scalers[1]._loss_scale = 16.0
+    assert [p.dtype for p in models[0].parameters()] == [torch.float32, F16]
+    masters = list(amp.master_params(opt))
+    assert [m.dtype for m in masters] == [torch.float32] * 4 if level == "O2" else [
+        p.dtype for m in models for p in m.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        for loss_id, model in enumerate(models):
+            with amp.scale_loss(model(x), opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+        opt.step()
+    for model, ref in zip(models, reference):
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert p.dtype == r.dtype and torch.equal(p, r)
+
+
+def test_o0_with_master_weights_is_accepted_and_trains_in_fp32():
+    """apex accepted master_weights=True at O0 (masters of no half parameter); ampkit
+    refused it. An fp32 model trains bit for bit as without ampkit."""
+    model, ref = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O0", master_weights=True, verbosity=0)
+    for _ in range(3):
+        for m, o, amped in ((model, opt, True), (ref, ref_opt, False)):
+            o.zero_grad()
+            if amped:
+                with amp.scale_loss(_loss(m), o) as scaled:
+                    scaled.backward()
+            else:
+                _loss(m).backward()
+            o.step()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))

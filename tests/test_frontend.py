@@ -267,7 +267,7 @@ def _ddp() -> nn.Module:
     (dict(patch_torch_functions="on"), TypeError, r"patch_torch_functions must be a bool"),
     (dict(cast_model_type=torch.int32), ValueError, r"cast_model_type torch.int32 is not allowed"),
     (dict(cast_model_outputs="int8"), ValueError, r"unknown cast_model_outputs 'int8'"),
-    (dict(opt_level="O0", master_weights=True), ValueError, r"master_weights=True\) needs half"),
+    (dict(cast_model_type=True), TypeError, r"cast_model_type must be a torch.dtype"),
     (dict(enabled="yes"), TypeError, r"enabled must be a bool, got str 'yes'; valid: True, False"),
 ])
 def test_bad_keyword_raises_before_any_change(kwargs, error, match):

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ._checks import as_list, check_int, check_positive
+from ._checks import as_list, check_bool, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
 from .autocast import region_factory
@@ -46,6 +46,9 @@ class Plan:
             the policy alone would not cast them (apex's ``cast_model_outputs``).
         keep_fp32: per model, the module names ``keep_fp32`` selected (None: leave each
             model's own earlier ``ampkit.keep_fp32`` selection as it is).
+        master_weights: the optimizers step fp32 masters of their half parameters: the
+            policy's ``master_weights``, or (apex's ``cast_model_type=False`` under O2)
+            masters of half parameters the model already had while its own stay fp32.
     """
 
     policy: Policy
@@ -55,6 +58,7 @@ class Plan:
     scalers: list[GradScaler]
     explicit_outputs: bool = False
     keep_fp32: Optional[list[list[str]]] = None
+    master_weights: bool = False
 
     def apply(self) -> "Plan":
         """Convert the models and prepare the optimizers; returns self."""
@@ -65,11 +69,15 @@ class Plan:
 def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[OptimizerArg] = None,
          *, num_losses: int = 1, min_loss_scale: Optional[float] = None,
          max_loss_scale: Optional[float] = 2.0**24, explicit_outputs: bool = False,
-         keep_fp32: Optional[keep.Modules] = None) -> Plan:
+         keep_fp32: Optional[keep.Modules] = None,
+         masters_of_half_params: bool = False) -> Plan:
     """Validate an application of ``policy`` and decide its loss scalers; changes nothing.
 
     ``keep_fp32``: modules to run in fp32 (see :func:`ampkit.keep_fp32`), selected in
     every model; a name or pattern must match a module in at least one of them.
+    ``masters_of_half_params``: fp32 masters for the half parameters a model already has
+    even where the policy keeps parameters fp32 (apex made masters of whatever half
+    parameters its optimizer held).
     """
     policy = get_policy(policy)
     model_list = check_models(models)
@@ -77,9 +85,11 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
     count = check_int("num_losses", num_losses, 1)
     device_type = device_type_of(model_list)
     scalers = make_scalers(policy, count, device_type, min_loss_scale, max_loss_scale)
-    check_params(model_list, opt_list, policy)
+    masters = policy.master_weights or check_bool("masters_of_half_params", masters_of_half_params)
+    check_params(model_list, opt_list, masters, only_half=not policy.master_weights)
     kept = None if keep_fp32 is None else _select_kept(model_list, keep_fp32)
-    return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept)
+    return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept,
+                masters)
 
 
 def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[str]]:
@@ -167,9 +177,10 @@ def device_type_of(models: list[nn.Module]) -> str:
 
 
 def check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 policy: Policy) -> None:
+                 master_weights: bool, *, only_half: bool = False) -> None:
     """Each optimizer steps some of the models' parameters, in non-empty groups, and under
-    master weights no parameter is stepped by two optimizers (one master per parameter).
+    master weights no parameter is stepped by two optimizers (one master per parameter;
+    ``only_half``: the masters are of the parameters that are half already).
     """
     model_params = {id(p) for model in models for p in model.parameters()}
     owner: dict[int, int] = {}
@@ -186,7 +197,7 @@ def check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
                              "built over those models' parameters")
         for p in params:
             first = owner.setdefault(id(p), i)
-            if first != i and policy.master_weights:
+            if first != i and master_weights and (not only_half or p.dtype in HALF_DTYPES):
                 raise ValueError(
                     f"a parameter of shape {tuple(p.shape)} is in optimizers[{first}] and "
                     f"optimizers[{i}]; with master weights each half parameter has one fp32 "
@@ -261,7 +272,7 @@ def _apply(p: Plan) -> None:
                       keep_modules=keep.kept_modules(model),
                       casts=ForwardCasts() if root_kept else casts)
     for optimizer in p.optimizers:
-        masters = wrap(optimizer, master_weights=policy.master_weights).masters
+        masters = wrap(optimizer, master_weights=p.master_weights).masters
         if masters is not None:
             _seed_masters(masters, fp32_values)
 

@@ -74,7 +74,9 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                              cast_model_outputs=cast_model_outputs)
     application = plan(policy, models, optimizers if enabled else None, num_losses=num_losses,
                        min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,
-                       explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32)
+                       explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32,
+                       masters_of_half_params=_masters_of_half_params(level, policy,
+                                                                      master_weights))
     # Nothing was modified above this line.
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
@@ -82,7 +84,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
                                        scalers=application.scalers, log_level=log_level,
                                        scaling=policy.loss_scaling.kind != "none"))
-    _warn_about_half_params(application.models, policy, level)
+    if not application.master_weights:
+        _warn_about_half_params(application.models, policy, level)
     application.apply()
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
@@ -139,17 +142,19 @@ def _resolve_policy(level: str, half: torch.dtype, *, cast_model_type: Any,
     changes: dict[str, Any] = {}
     if patch_torch_functions is not None:
         changes["autocast"] = check_bool("patch_torch_functions", patch_torch_functions)
-    if cast_model_type is not None:
+    if cast_model_type is False:  # apex's "do not cast the model" (its own tests pass it)
+        changes["param_dtype"] = torch.float32
+    elif cast_model_type is not None:
         changes["param_dtype"] = resolve_dtype(cast_model_type, allowed=FLOAT_DTYPES,
                                                what="cast_model_type")
     use_autocast = changes.get("autocast", policy.autocast)
     param_dtype = changes.get("param_dtype", policy.param_dtype)
     if changes:  # autocast or param_dtype changed: compute is autocast's, else the params'
         changes["compute_dtype"] = half if use_autocast else param_dtype
-    if master_weights is not None:
+    if param_dtype not in HALF_DTYPES:
+        changes["master_weights"] = False  # fp32 params are their own masters (see below)
+    elif master_weights is not None:
         changes["master_weights"] = check_bool("master_weights", master_weights)
-    elif param_dtype not in HALF_DTYPES:
-        changes["master_weights"] = False  # fp32 params are their own masters
     if keep_batchnorm_fp32 is not None:
         changes["keep_batchnorm_fp32"] = check_bool("keep_batchnorm_fp32", keep_batchnorm_fp32,
                                                      strings=True)
@@ -159,6 +164,16 @@ def _resolve_policy(level: str, half: torch.dtype, *, cast_model_type: Any,
         changes["output_dtype"] = resolve_dtype(cast_model_outputs, allowed=FLOAT_DTYPES,
                                                 what="cast_model_outputs")
     return policy.replace(**changes) if changes else policy
+
+
+def _masters_of_half_params(level: str, policy: Policy, master_weights: Any) -> bool:
+    """Masters for half parameters the model already has, where the params stay fp32: apex
+    made them for whatever half parameters the optimizer held when the level (O2 with
+    ``cast_model_type=False``) or ``master_weights=True`` (O0, O1) asked for masters."""
+    if policy.param_dtype in HALF_DTYPES:
+        return False  # the policy's own masters decide
+    wanted = get_policy(level).master_weights if master_weights is None else master_weights
+    return check_bool("master_weights", wanted)
 
 
 def _numeric_string(loss_scale: Any) -> Any:
