@@ -263,3 +263,64 @@ def test_o0_with_master_weights_is_accepted_and_trains_in_fp32():
                 _loss(m).backward()
             o.step()
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters()))
+
+
+# --- apex's LARC wrapper ----------------------------------------------------------------------
+class _Larc:
+    """The shape of apex.parallel.LARC: not an Optimizer; holds one as ``.optim``, scales
+    each gradient by a trust ratio in its own ``step``, then steps the optimizer."""
+
+    def __init__(self, optimizer, trust: float = 0.02) -> None:
+        self.optim, self.trust = optimizer, trust
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for group in self.optim.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        ratio = self.trust * p.norm() / (p.grad.norm() + 1e-8)
+                        p.grad.mul_(torch.clamp(ratio / group["lr"], max=1.0))
+        self.optim.step()
+
+
+def _larc_run(wrap_first: bool, inf_at: int = 1):
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if wrap_first:  # apex's way: initialize(model, LARC(...)), scale_loss(loss, larc)
+        larc = _Larc(inner)
+        model, returned = amp.initialize(model, larc, opt_level="O2", half_dtype=F16, verbosity=0)
+        assert returned is larc
+        target = larc
+    else:  # initialize the optimizer, wrap it afterwards
+        model, inner = amp.initialize(model, inner, opt_level="O2", half_dtype=F16, verbosity=0)
+        larc = target = _Larc(inner)
+        target = inner
+    for i in range(3):
+        larc.zero_grad()
+        with amp.scale_loss(_loss(model, float("inf") if i == inf_at else 1.0), target) as scaled:
+            scaled.backward()
+        before = [m.clone() for m in amp.master_params(larc)]
+        larc.step()
+        if i == inf_at:  # the overflow's step changed nothing
+            assert all(torch.equal(m, b) for m, b in zip(amp.master_params(larc), before))
+    return [m.clone() for m in amp.master_params(larc)], [p.clone() for p in model.parameters()]
+
+
+def test_apexs_larc_wrapper_is_taken_by_initialize_scale_loss_and_master_params():
+    """initialize, scale_loss and master_params refused apex's LARC (not an Optimizer),
+    which apex took everywhere. Now ampkit prepares the optimizer it holds: training
+    equals initializing that optimizer and wrapping it afterwards, and the overflow's step
+    is skipped."""
+    (masters, params), (ref_masters, ref_params) = _larc_run(True), _larc_run(False)
+    assert all(m.dtype == torch.float32 for m in masters) and len(masters) == 4
+    assert all(torch.equal(a, b) for a, b in zip(masters + params, ref_masters + ref_params))
+    assert not torch.equal(masters[0], _model()[0].weight)  # the clean steps trained
+    with pytest.raises(TypeError, match=r"optimizers\[1\] is a int \(3\), not a torch.optim"):
+        amp.initialize(_model(), [torch.optim.SGD(_model().parameters(), lr=0.1), 3])

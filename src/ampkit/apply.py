@@ -23,7 +23,7 @@ from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, master_of, release_masters
-from .optim import stash_of, wrap
+from .optim import as_optimizers, stash_of, wrap
 from .policy import Policy, get_policy
 from .scaler import FP16_GRAD_MIN_SCALE, GradScaler
 
@@ -150,7 +150,7 @@ def is_sharded(model: nn.Module) -> bool:
 def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
     if optimizers is None:
         return []
-    opt_list = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+    opt_list = as_optimizers(optimizers, "optimizers")
     for i, optimizer in enumerate(opt_list):
         if any(optimizer is other for other in opt_list[:i]):
             raise ValueError(f"optimizers[{i}] ({type(optimizer).__name__}) is listed twice; "

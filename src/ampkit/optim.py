@@ -62,6 +62,40 @@ class AmpStash:
     scaled_in: Any = None
 
 
+def inner_optimizer(value: Any) -> Optional[torch.optim.Optimizer]:
+    """``value`` when it is a torch optimizer; the optimizer an optimizer wrapper steps
+    from its own ``step`` (apex's ``LARC`` holds it as ``.optim``, and apex took LARC
+    wherever it took an optimizer); else None. ampkit prepares the inner optimizer, and
+    the wrapper's ``step`` calls its ``step``, which skips after an overflow."""
+    if isinstance(value, torch.optim.Optimizer):
+        return value
+    inner = getattr(value, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and callable(getattr(value, "step", None)):
+        return inner
+    return None
+
+
+def as_optimizers(value: Any, name: str) -> list[torch.optim.Optimizer]:
+    """``value`` (an optimizer, an optimizer wrapper, or a list of them) as the list of
+    optimizers ampkit prepares; a TypeError names anything else."""
+    single = inner_optimizer(value)
+    if single is not None:
+        return [single]
+    valid = ("a torch.optim.Optimizer or a list of them (also an optimizer wrapper holding "
+             "one as .optim, as apex's LARC)")
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a torch.optim.Optimizer or a list of them, got "
+                        f"{type(value).__name__} {value!r}; valid: {valid}")
+    optimizers = []
+    for i, item in enumerate(value):
+        inner = inner_optimizer(item)
+        if inner is None:
+            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({item!r}), not a "
+                            f"torch.optim.Optimizer; valid: {valid}")
+        optimizers.append(inner)
+    return optimizers
+
+
 def stash_of(optimizer: Any) -> Optional[AmpStash]:
     """The optimizer's ampkit state, or None when ``initialize`` did not prepare it."""
     return getattr(optimizer, ATTR, None)

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import _state
-from .._checks import as_list, check_bool
+from .._checks import check_bool
 from .._torch_compat import foreach_add_, foreach_mul_
 from ..apply import OptimizerArg
-from ..optim import ORPHAN_MESSAGE, AmpStash, is_orphan, own_params, stash_of
+from ..optim import ORPHAN_MESSAGE, AmpStash, as_optimizers, is_orphan, own_params, stash_of
 from ..scaler import GradScaler, unscale_grads_
 from .overflow import Window, or_flag, report_overflows, update, window_for
 
@@ -389,7 +389,7 @@ def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.Acti
         opts = [optimizers]
         stashes = [stash_of(optimizers)]
     else:
-        opts = as_list(optimizers, "optimizers", torch.optim.Optimizer, "torch.optim.Optimizer")
+        opts = as_optimizers(optimizers, "optimizers")
         stashes = [stash_of(opt) for opt in opts]
     for i, (opt, stash) in enumerate(zip(opts, stashes)):
         if stash is None:  # (an optimizer with a stash is never an orphan)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .. import _state
 from .._checks import check_int, check_positive
+from ..optim import inner_optimizer
 from ..scaler import GradScaler
 from .scale_loss import require_initialized
 
@@ -19,10 +20,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     Example:
         >>> torch.nn.utils.clip_grad_norm_(master_params(optimizer), 1.0)  # doctest: +SKIP
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    inner = inner_optimizer(optimizer)
+    if inner is None:
         raise TypeError(f"master_params takes a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__} {optimizer!r}")
-    return iter([p for group in optimizer.param_groups for p in group["params"]])
+                        f"{type(optimizer).__name__} {optimizer!r}; valid: an optimizer, or a "
+                        "wrapper holding one as .optim (apex's LARC)")
+    return iter([p for group in inner.param_groups for p in group["params"]])
 
 
 def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
