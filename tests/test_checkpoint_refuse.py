@@ -35,12 +35,12 @@ SPAWN_TIMEOUT_S = 240
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 2) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(8, 16)
         self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
-                                     for _ in range(2)])
+                                     for _ in range(blocks)])
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,13 +50,13 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, ampkit.GradScaler]:
+def _build(kind: str, blocks: int = 2) -> tuple[nn.Module, torch.optim.Optimizer, ampkit.GradScaler]:
     """fsdp: shard(16-mixed); ddp_O1 / ddp_O2: initialize (fp16) then DDP; each with a scaler."""
     scaler = ampkit.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
     if kind == "fsdp":
-        model = shard(Net(), "16-mixed")
+        model = shard(Net(blocks), "16-mixed")
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2), scaler
-    model = Net()
+    model = Net(blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = ampkit.initialize(model, optimizer, opt_level=kind[-2:], verbosity=0,
                                          loss_scale=1.0)
@@ -194,6 +194,29 @@ def test_a_fresh_optimizer_stays_fresh_after_a_refused_load(one_rank, tmp_path, 
                         checkpoint_id=str(tmp_path))
     assert not optimizer.state
     assert _steps(model, optimizer, scaler, 0, range(2)) == _steps(*_build(kind), 0, range(2))
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["trained", "fresh"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_larger_models_checkpoint_is_refused_before_anything_changes(one_rank, tmp_path,
+                                                                         kind, fresh):
+    """A 3-block model's checkpoint loaded into the 2-block model silently (FSDP2, DDP
+    O1): DCP reads only the tensors it is asked for, so the shared layers took the other
+    model's weights. Under O2 it was refused after the read, and a fresh optimizer kept
+    the zero state made to read into."""
+    model, optimizer, scaler = _build(kind, blocks=3)
+    _steps(model, optimizer, scaler, 0, range(1))
+    dcp.save({"train": TrainState(model, optimizer, scaler), "step": 1},
+             checkpoint_id=str(tmp_path))
+    model, optimizer, scaler = _build(kind)
+    if not fresh:
+        _steps(model, optimizer, scaler, 0, range(1))
+    state = {"train": TrainState(model, optimizer, scaler), "step": 1}
+    before = _snapshot(model, optimizer, scaler, state)
+    with pytest.raises(ValueError, match=r"no place for, e.g. \['train.model.blocks.2."):
+        load_checkpoint(state, checkpoint_id=str(tmp_path))
+    assert _same(before, _snapshot(model, optimizer, scaler, state))
+    assert bool(optimizer.state) is not fresh
 
 
 def test_plain_entries_load_in_place_as_with_dcp(one_rank, tmp_path):

@@ -155,25 +155,33 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
                 targets[key] = _clone(value.state_dict())
             else:
                 targets[key] = _clone(value)
-        _check_shapes(targets, checkpoint_id, dcp_kwargs.get("storage_reader"))
+        # The model and optimizer state a TrainState loads must be the whole of the
+        # checkpoint's there: DCP itself ignores the tensors it was not asked for.
+        whole = tuple(f"{key}.{part}." for key, value in state_dict.items()
+                      if isinstance(value, TrainState) for part in ("model", "optimizer")
+                      if part in targets[key])
+        _check_shapes(targets, checkpoint_id, dcp_kwargs.get("storage_reader"), whole)
         # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
         dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
+        for key in sorted(state_dict):  # DCP's order
+            value = state_dict[key]
+            if isinstance(value, Stateful):
+                value.load_state_dict(targets[key])
+            else:
+                state_dict[key] = _write_back(value, targets[key])
     except BaseException:
         for optimizer in fresh:  # state_dict() gave it zero state to load into: drop it
             optimizer.state.clear()
         raise
-    for key in sorted(state_dict):  # DCP's order
-        value = state_dict[key]
-        if isinstance(value, Stateful):
-            value.load_state_dict(targets[key])
-        else:
-            state_dict[key] = _write_back(value, targets[key])
 
 
-def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any) -> None:
+def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any,
+                  whole: tuple[str, ...] = ()) -> None:
     """Refuse a checkpoint whose tensors have other shapes than the ones to load into,
     before anything is read: torch 2.5's DCP read a larger saved tensor into a smaller
-    one silently, in part. (Newer torch refuses it too, inside the read.)"""
+    one silently, in part. (Newer torch refuses it too, inside the read.) Under the key
+    prefixes ``whole``, a saved tensor this run does not load (another model's layer) is
+    refused too."""
     import torch.distributed.checkpoint as dcp
 
     if reader is None:
@@ -184,12 +192,21 @@ def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any) -> N
         saved = reader.read_metadata().state_dict_metadata
     except Exception:  # noqa: BLE001 - unreadable metadata: DCP's own load reports it
         return
-    for key, tensor in _flat_tensors(targets):
+    wanted = _flat_tensors(targets)
+    for key, tensor in wanted:
         size = getattr(saved.get(key), "size", None)
         if size is not None and tuple(size) != tuple(tensor.shape):
             raise ValueError(f"load_checkpoint: the checkpoint's {key!r} has shape "
                              f"{tuple(size)}, this run's has {tuple(tensor.shape)}; valid: a "
                              "checkpoint of this model (nothing was loaded)")
+    keys = {key for key, _ in wanted}
+    extra = [key for key, meta in saved.items() if whole and key.startswith(whole)
+             and hasattr(meta, "size") and key not in keys]
+    if extra:
+        raise ValueError(f"load_checkpoint: the checkpoint has {len(extra)} tensor(s) this "
+                         f"run has no place for, e.g. {extra[:3]}: it is another model's "
+                         "(or another optimizer's); valid: a checkpoint of this model "
+                         "(nothing was loaded)")
 
 
 def _flat_tensors(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
