@@ -548,6 +548,35 @@ def test_o2_add_param_group_and_lr_scheduler():
     assert [g["lr"] for g in optimizer.param_groups] == [0.05, 0.1]
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_lr_scheduler_built_before_initialize_gives_no_override_warning(level):
+    """torch warned "optimizer.step() has been overridden after learning rate scheduler
+    initialization" at the first scheduler step when the scheduler was built before
+    initialize (apex's O1 did not replace step): ampkit's step now carries the mark of
+    the scheduler's wrapper, which it calls, and the rates follow the schedule."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    initialize(model, optimizer, opt_level=level, verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(2):
+            _step(model, optimizer, i)
+            scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.025]
+    assert getattr(optimizer, "_opt_called", False)  # the scheduler saw the steps
+    model = _model()  # a scheduler built after initialize wraps ampkit's (unmarked) step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level=level, verbosity=0)
+    assert not hasattr(optimizer.step, "_wrapped_by_lr_sched")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, optimizer, 0)
+        scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.05]
+
+
 # --- checkpoints ------------------------------------------------------------------------------
 def _fresh(level: str, dtype: torch.dtype, seed: int):
     model = _model(seed=seed)

@@ -56,6 +56,7 @@ __all__ = [
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
     "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
+    "LR_SCHEDULER_MARK",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
     "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
@@ -339,6 +340,10 @@ OptState = _entry("torch.amp.grad_scaler.OptState")
 STEP_SUPPORTS_AMP_SCALING = "_step_supports_amp_scaling"
 # A global hook run before every optimizer.step(): ampkit refuses orphaned optimizers; 2.0.
 register_optimizer_step_pre_hook = _entry("torch.optim.optimizer.register_optimizer_step_pre_hook")
+# The mark an LR scheduler puts on the optimizer.step it wrapped (to tell that step ran);
+# without it on the current step the scheduler warns the step was "overridden after
+# learning rate scheduler initialization". A private attribute name, 2.2 onwards.
+LR_SCHEDULER_MARK = "_wrapped_by_lr_sched"
 # A device-generic event: a fused step's overflow flag is read once it reached the host; 2.4.
 Event = _entry("torch.Event")
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ._fused import clear_if_skipped, fresh_momentum
-from ._torch_compat import register_optimizer_step_pre_hook
+from ._torch_compat import LR_SCHEDULER_MARK, register_optimizer_step_pre_hook
 from ._warn import warn_once
 from .master import MASTER_MARK, MasterWeights
 
@@ -136,11 +136,27 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         _warn_if_eps_vanishes(optimizer, optimizer.param_groups)
     setattr(optimizer, ATTR, stash)
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
-    optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
+    optimizer.step = types.MethodType(_step_for(optimizer.step), optimizer)  # type: ignore[method-assign]
     optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)  # type: ignore[method-assign]
     optimizer.add_param_group = types.MethodType(  # type: ignore[method-assign]
         _add_param_group, optimizer)
     return stash
+
+
+def _step_for(current: Any) -> Callable[..., Any]:
+    """The step function for an optimizer whose step is ``current``: ``_step``, or, when an
+    LR scheduler built before initialize wrapped ``current`` (it calls it, so the
+    scheduler still sees the optimizer step), a function of this optimizer's own that
+    carries the scheduler's mark, so the scheduler does not warn that the step was
+    overridden after it."""
+    if not getattr(current, LR_SCHEDULER_MARK, False):
+        return _step
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return _step(self, *args, **kwargs)
+
+    setattr(step, LR_SCHEDULER_MARK, True)
+    return step
 
 
 def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
