@@ -373,6 +373,13 @@ def _step_supports() -> None:
            "a fused Adam no longer marks itself with this attribute (or a plain SGD does)")
 
 
+def _lr_scheduler_mark() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    _check("LR_SCHEDULER_MARK", getattr(optimizer.step, tc.LR_SCHEDULER_MARK, False) is True,
+           "an LR scheduler no longer marks the optimizer.step it wrapped with this attribute")
+
+
 def _step_pre_hook() -> None:
     seen = []
     param = nn.Parameter(torch.ones(1))
@@ -531,7 +538,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "foreach_copy_": _foreach, "foreach_add_": _foreach, "foreach_mul_": _foreach, "sparse_values": _sparse_values,
     "unflatten_dense_tensors": _unflatten,
     "OptState": _opt_state,
-    "STEP_SUPPORTS_AMP_SCALING": _step_supports,
+    "STEP_SUPPORTS_AMP_SCALING": _step_supports, "LR_SCHEDULER_MARK": _lr_scheduler_mark,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
