@@ -17,6 +17,7 @@ from torch import nn
 import ampkit
 from ampkit._torch_compat import TorchDispatchMode
 from ampkit.diagnose import ModuleStats, NonFiniteError, Report, inspect, watch
+from ampkit.diagnose.advice import Context, advise
 
 
 class Scale(nn.Module):
@@ -159,6 +160,36 @@ def test_following_the_keep_fp32_advice_clears_the_overflow():
     assert report.first_nonfinite is None and math.isfinite(report.policy_loss)
     assert report.advice == ["No module overflows, underflows or falls below 20 dB SQNR under "
                              "16-mixed: keep the policy '16-mixed'."]
+
+
+@pytest.mark.parametrize("weight, column", [(3e4, "overflow"), (1e-9, "underflow")])
+def test_a_module_computing_in_fp32_after_a_kept_one_neither_overflows_nor_underflows(
+        weight, column):
+    # The ReLU after kept '0' gets its fp32 output and computes in fp32: nothing is cast.
+    def model() -> nn.Sequential:
+        return nn.Sequential(constant_linear(4, 8, weight), nn.ReLU(), Scale(1.0),
+                             nn.Linear(8, 2))
+
+    report = inspect(ampkit.keep_fp32(model(), ["0"]), X, policy="16-mixed")
+    relu = stats(report, "1")
+    assert relu.out_dtype == torch.float32 and getattr(relu, column) == 0.0
+    assert not any("'1'" in s for s in report.advice)
+    # Not kept: the ReLU's output is fp16 and is counted against fp16.
+    report = inspect(model(), X, policy="16-mixed")
+    assert stats(report, "1").out_dtype == torch.float16
+    assert getattr(stats(report, "1"), column) == 1.0
+
+
+def test_no_overflow_or_underflow_advice_for_an_output_that_is_not_half():
+    def row(name: str, dtype: torch.dtype, under: float, over: float) -> ModuleStats:
+        return ModuleStats(name, "Mystery", dtype, 60.0, under, over, None, None, None, False)
+
+    ctx = Context("16-mixed", torch.float16, 2.0**16, "dynamic", "bf16-mixed", None, True)
+    advice = advise([row("a", torch.float32, 0.5, 0.5), row("b", torch.float16, 0.0, 0.5),
+                     row("c", torch.bfloat16, 0.5, 0.0)], ctx)
+    assert not any("'a'" in s for s in advice)
+    assert any("'b'" in s and "overflow float16" in s for s in advice)
+    assert any("'c'" in s and "flush to zero in bfloat16" in s for s in advice)
 
 
 def test_fp8_layers_report_sqnr_and_fp8_flops():

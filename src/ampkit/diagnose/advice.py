@@ -5,11 +5,11 @@ The rules, most urgent first (at most :data:`PER_RULE` modules each):
 1. the fp32 reference itself is non-finite: precision is not the cause;
 2. the first non-finite module: keep it in fp32 / switch fp16 -> bf16 / lower the
    initial loss scale (backward) / exclude it from fp8;
-3. outputs that overflow the half dtype: keep it in fp32, or switch fp16 -> bf16;
+3. outputs in a half dtype that overflow it: keep it in fp32, or switch fp16 -> bf16;
 4. gradients that overflow at the initial loss scale: lower ``init_scale`` (to a power
    of two computed from the largest reference gradient);
-5. outputs that underflow (at least :data:`UNDERFLOW` of them): switch fp16 -> bf16 or
-   keep it in fp32;
+5. outputs in a half dtype that underflow (at least :data:`UNDERFLOW` of them): switch
+   fp16 -> bf16 or keep it in fp32;
 6. gradients that underflow at the initial loss scale: raise ``init_scale`` / use
    dynamic loss scaling / switch fp16 -> bf16;
 7. the first module whose output SQNR is below :data:`LOW_SQNR_DB` (where accuracy is
@@ -107,11 +107,18 @@ def _lower_scale(name: str, ctx: Context) -> str:
     return f"GradScaler(init_scale={max(scale, 1.0):g}) keeps its largest gradient finite"
 
 
+def _half_output(m: ModuleStats) -> bool:
+    """Its output is in a half dtype under the policy: only such an output can overflow or
+    underflow (keeping in fp32 a module that already computes in fp32 changes nothing)."""
+    return m.out_dtype is not None and m.out_dtype.is_floating_point \
+        and torch.finfo(m.out_dtype).bits < 32
+
+
 def _overflow(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:
-    hits = [m for m in modules if (m.overflow or 0) > 0 and m.name not in named]
-    half = dtype_name(ctx.half_dtype)
-    return [(m.name, _fix(m.name, ctx, f"has {m.overflow:.2%} of its outputs overflow {half}"))
-            for m in hits[:PER_RULE]]
+    hits = [m for m in modules
+            if (m.overflow or 0) > 0 and _half_output(m) and m.name not in named]
+    return [(m.name, _fix(m.name, ctx, f"has {m.overflow:.2%} of its outputs overflow "
+                                       f"{dtype_name(m.out_dtype)}")) for m in hits[:PER_RULE]]
 
 
 def _grad_overflow(modules: list[ModuleStats], ctx: Context,
@@ -128,10 +135,11 @@ def _grad_overflow(modules: list[ModuleStats], ctx: Context,
 
 
 def _underflow(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:
-    hits = [m for m in modules if (m.underflow or 0) >= UNDERFLOW and m.name not in named]
-    half = dtype_name(ctx.half_dtype)
+    hits = [m for m in modules
+            if (m.underflow or 0) >= UNDERFLOW and _half_output(m) and m.name not in named]
     return [(m.name, _fix(m.name, ctx, f"has {m.underflow:.2%} of its nonzero outputs flush "
-                                       f"to zero in {half}")) for m in hits[:PER_RULE]]
+                                       f"to zero in {dtype_name(m.out_dtype)}"))
+            for m in hits[:PER_RULE]]
 
 
 def _grad_underflow(modules: list[ModuleStats], ctx: Context,

@@ -67,7 +67,8 @@ class _Setup:
         self.loss_scale = make_scalers(policy, 1, device.type)[0].get_scale()
 
     def cast_dtype(self, name: str) -> torch.dtype:
-        """The dtype module ``name``'s values are cast to under the policy."""
+        """The dtype module ``name``'s parameter gradients are cast to under the policy
+        (its outputs are counted against the dtype they have under the policy)."""
         return torch.float32 if name in self.kept else self.half
 
 
@@ -349,10 +350,6 @@ def _record_reference(name: str, module: nn.Module, output: Any,
     if name not in table:  # first call: its place in execution order
         table[name] = _Module(name, type(module).__name__, setup.device)
     entry, values = table[name], _floats(output)
-    with torch.no_grad(), autocast(setup.device.type, enabled=False):
-        for value in values:
-            entry.out_counts += nx.cast_counts(value, setup.cast_dtype(name))
-    entry.has_out = entry.has_out or bool(values)
     # A copy: a later in-place op (ReLU(inplace=True)) would change the output itself.
     entry.refs.append([v.detach().clone() for v in values])
 
@@ -370,8 +367,13 @@ def _compare_output(name: str, module: nn.Module, output: Any,
     entry.refs[call] = None  # compared: free the reference copy
     values = _floats(output)
     entry.out_dtype = entry.out_dtype or nx.first_floating(values)
+    entry.has_out = entry.has_out or bool(values)
     with torch.no_grad(), autocast(setup.device.type, enabled=False):
         for value, ref in zip(values, refs):
+            # Counted against the dtype the output has under the policy: a module after
+            # a kept one (or outside autocast's cast list) computes in fp32 and cannot
+            # overflow the half dtype, whatever its name.
+            entry.out_counts += nx.cast_counts(ref, nx.stored_dtype(value.dtype))
             if value.shape == ref.shape:
                 entry.out_energy += nx.error_energy(value, ref)
                 entry.compared_out = True

@@ -38,6 +38,17 @@ def cast_counts(ref: Tensor, dtype: torch.dtype) -> Tensor:
                         finite.sum(), (finite & cast.isinf()).sum()]).double()
 
 
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a value of ``dtype`` is counted against: itself when narrower than fp32
+    (fp16, bf16, fp8), else fp32 (fp32 and wider hold every fp32 reference value).
+
+    Example:
+        >>> stored_dtype(torch.float16), stored_dtype(torch.float64)
+        (torch.float16, torch.float32)
+    """
+    return dtype if torch.finfo(dtype).bits < 32 else torch.float32
+
+
 def error_energy(value: Tensor, ref: Tensor) -> Tensor:
     """[signal, noise]: sum(ref**2) and sum((value - ref)**2) where ``ref`` is finite.
 

@@ -29,10 +29,12 @@ class ModuleStats:
         out_sqnr_db: 10*log10(sum(ref**2) / sum((out - ref)**2)) over its floating
             outputs and calls; inf when identical, -inf when non-finite.
         underflow: fraction of the nonzero elements of the reference output that become
-            0 when cast to the policy's half dtype (fp32, so 0.0, for a pure-fp32 policy
-            and for modules ``ampkit.keep_fp32`` selected).
+            0 when cast to the policy's half dtype, the dtype the output has under the
+            policy (0.0 for an output that is fp32 under the policy: a pure-fp32 policy,
+            modules ``ampkit.keep_fp32`` selected, an activation after one); None when
+            it produced no floating output under the policy.
         overflow: fraction of the finite elements of the reference output that become
-            inf when cast to the policy's half dtype.
+            inf when cast to that dtype.
         grad_sqnr_db, grad_underflow, grad_overflow: the same for the gradients of its own
             parameters (the reference gradient times the policy's initial loss scale is
             what is cast); None without parameters that received a gradient.
