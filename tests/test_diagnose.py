@@ -192,6 +192,15 @@ def test_no_overflow_or_underflow_advice_for_an_output_that_is_not_half():
     assert any("'c'" in s and "flush to zero in bfloat16" in s for s in advice)
 
 
+def test_keep_fp32_advice_keeps_the_current_selection():
+    # '0' kept and fine; '2' overflows: keep_fp32(model, ['2']) alone would free '0'.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), constant_linear(8, 8, 3e4),
+                          Scale(1e-5), nn.Linear(8, 2))
+    report = inspect(ampkit.keep_fp32(model, ["0"]), X, policy="16-mixed")
+    assert report.first_nonfinite == ("forward", "2")
+    assert "ampkit.keep_fp32(model, ['0', '2'])" in report.advice[0]
+
+
 def test_fp8_layers_report_sqnr_and_fp8_flops():
     model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
     report = inspect(model, torch.randn(16, 32), policy="fp8-tensorwise")

@@ -43,7 +43,8 @@ class Context:
     bf16_policy: Optional[str]  # the same policy in bf16 (None when it is not fp16)
     first_nonfinite: Optional[tuple[str, str]]
     ref_finite: bool
-    kept: frozenset[str] = frozenset()
+    kept: frozenset[str] = frozenset()  # the modules keep_fp32 selected and those inside
+    selection: tuple[str, ...] = ()  # the names passed to keep_fp32 (its current selection)
     fp8_layers: frozenset[str] = frozenset()
     grad_amax: dict[str, float] = field(default_factory=dict)
 
@@ -71,7 +72,8 @@ def _fix(name: str, ctx: Context, problem: str) -> str:
                 f"lambda m, name: name != {name!r}).")
     actions = []
     if name not in ctx.kept and name:
-        actions.append(f"keep it in fp32 with ampkit.keep_fp32(model, [{name!r}])")
+        # keep_fp32 replaces the selection: the call keeps the modules kept so far too.
+        actions.append(f"keep it in fp32 with ampkit.keep_fp32(model, {[*ctx.selection, name]!r})")
     if ctx.bf16_policy is not None:
         actions.append(f"switch fp16 -> bf16 (policy {ctx.bf16_policy!r}: fp32's exponent range)")
     if not actions:

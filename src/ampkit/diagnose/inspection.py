@@ -38,7 +38,7 @@ from ..autocast import autocast
 from ..convert import conversion_of
 from ..fp8 import Float8Config, Float8Linear, convert_to_fp8
 from ..fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
-from ..keep import kept_modules
+from ..keep import kept_modules, kept_names
 from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
 from .advice import Context, advise
@@ -54,13 +54,17 @@ class _Setup:
     """The validated request: what to run, where, and with which casts."""
 
     def __init__(self, name: str, policy: Policy, fp8_recipe: Optional[str],
-                 device: torch.device, loss_fn: Optional[LossFn], kept: frozenset[str]) -> None:
+                 device: torch.device, loss_fn: Optional[LossFn], kept: frozenset[str],
+                 selection: tuple[str, ...]) -> None:
         self.name, self.policy, self.fp8_recipe = name, policy, fp8_recipe
         self.device, self.loss_fn = device, loss_fn
         # The dtype values meet under the policy; a pure-fp32 policy casts nothing, and
         # neither do modules ampkit.keep_fp32 selected (they are part of the policy).
         self.half = policy.half_dtype or torch.float32
         self.kept = kept
+        # The names the caller passed to keep_fp32: advice to keep one more must repeat
+        # them, since a second keep_fp32 call replaces the selection.
+        self.selection = selection
         # The first scale a GradScaler of this policy uses (2**16 dynamic, the static
         # scale, 1.0 for none): the rule lives in ampkit.apply; get_scale() before the
         # first step returns the initial scale without a sync.
@@ -139,7 +143,7 @@ def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:
     name, resolved, recipe = resolve_policy(policy, device.type)
     kept = {id(m) for m in kept_modules(model)}
     fp32_names = frozenset(n for n, m in model.named_modules() if id(m) in kept)
-    return _Setup(name, resolved, recipe, device, loss_fn, fp32_names)
+    return _Setup(name, resolved, recipe, device, loss_fn, fp32_names, tuple(kept_names(model)))
 
 
 def _check_fp32_model(model: nn.Module) -> None:
@@ -297,7 +301,8 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
     ctx = Context(setup.name, setup.policy.half_dtype, setup.loss_scale,
                   setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
                   ref_finite=math.isfinite(losses[0]),
-                  kept=setup.kept, fp8_layers=fp8_layers, grad_amax=grad_amax)
+                  kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
+                  grad_amax=grad_amax)
     return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
 
