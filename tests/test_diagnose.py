@@ -91,6 +91,29 @@ def test_gradient_overflow_at_the_initial_loss_scale_advises_a_lower_init_scale(
     assert any("init_scale=512" in s for s in report.advice)  # 65504 / 100 -> 2**9
 
 
+def test_a_gradient_beyond_fp16_even_unscaled_gets_fp32_or_bf16_advice_not_a_scale():
+    model = nn.Sequential(constant_linear(4, 1, 0.0))
+    # d mse / d weight = 2 * (0 - 1000) * 300 = -6e5: above 65504 at any scale >= 1.
+    report = inspect(model, torch.full((2, 4), 300.0), torch.full((2, 1), 1000.0),
+                     policy="16-mixed")
+    assert report.first_nonfinite == ("backward", "0")
+    assert not any("init_scale=" in s for s in report.advice)
+    assert any("keep_fp32(model, ['0'])" in s and "'bf16-mixed'" in s and "6e+05" in s
+               for s in report.advice)
+
+
+def test_every_lower_init_scale_sentence_gives_the_same_smallest_value():
+    def row(name: str) -> ModuleStats:
+        return ModuleStats(name, "Linear", torch.float16, 60.0, 0.0, 0.0, -math.inf, 0.0, 0.5,
+                           True)
+
+    # 65504 / 100 -> 512 for 'a'; 65504 / 50 -> 1024 for 'b': 512 keeps both finite.
+    ctx = Context("16-mixed", torch.float16, 2.0**16, "dynamic", "bf16-mixed",
+                  ("backward", "b"), True, grad_amax={"a": 100.0, "b": 50.0})
+    advice = advise([row("b"), row("a")], ctx)
+    assert len(advice) == 2 and all("GradScaler(init_scale=512)" in s for s in advice)
+
+
 def test_gradient_underflow_without_loss_scaling_advises_dynamic_scaling():
     model = nn.Sequential(nn.Linear(4, 1))
     report = inspect(model, torch.full((2, 4), 1e-9), policy="16-true")

@@ -6,8 +6,9 @@ The rules, most urgent first (at most :data:`PER_RULE` modules each):
 2. the first non-finite module: keep it in fp32 / switch fp16 -> bf16 / lower the
    initial loss scale (backward) / exclude it from fp8;
 3. outputs in a half dtype that overflow it: keep it in fp32, or switch fp16 -> bf16;
-4. gradients that overflow at the initial loss scale: lower ``init_scale`` (to a power
-   of two computed from the largest reference gradient);
+4. gradients that overflow at the initial loss scale: lower ``init_scale`` (one power of
+   two for every sentence, computed from the largest reference gradients), or, for a
+   gradient beyond the half dtype's range even unscaled, keep it in fp32 / switch to bf16;
 5. outputs in a half dtype that underflow (at least :data:`UNDERFLOW` of them): switch
    fp16 -> bf16 or keep it in fp32;
 6. gradients that underflow at the initial loss scale: raise ``init_scale`` / use
@@ -88,25 +89,47 @@ def _nonfinite(ctx: Context) -> list[str]:
     if phase == "forward":
         return [_fix(name, ctx, "is the first module with a non-finite output under "
                                 f"{ctx.policy}")]
+    problem = f"is the first module with a non-finite gradient under {ctx.policy}"
+    if _beyond_half(name, ctx):
+        return [_fix(name, ctx, problem + _beyond_half(name, ctx))]
     if ctx.scaling != "none" and ctx.loss_scale > 1:
         return [f"{name or '<model>'!r} is the first module with a non-finite gradient at the "
                 f"initial loss scale {ctx.loss_scale:g}: lower init_scale "
-                f"({_lower_scale(name, ctx)}); dynamic scaling would skip steps until it "
+                f"({_lower_scale(ctx)}); dynamic scaling would skip steps until it "
                 "backs off far enough."]
-    return [_fix(name, ctx, f"is the first module with a non-finite gradient under {ctx.policy}")]
+    return [_fix(name, ctx, problem)]
 
 
-def _lower_scale(name: str, ctx: Context) -> str:
-    """A lower init_scale: from the module's largest reference parameter gradient when
-    that gives one (a non-finite input gradient may need lower still)."""
+def _fitting_scale(name: str, ctx: Context) -> Optional[float]:
+    """The largest power-of-two loss scale at which module ``name``'s largest reference
+    parameter gradient is finite in the half dtype (None: nothing to compute it from)."""
     amax = ctx.grad_amax.get(name, 0.0)
-    generic = f"below {ctx.loss_scale:g}, e.g. GradScaler(init_scale={ctx.loss_scale / 2**8:g})"
-    if ctx.half_dtype is None or not (amax > 0 and math.isfinite(amax)):
-        return generic
-    scale = 2.0 ** math.floor(math.log2(torch.finfo(ctx.half_dtype).max / amax))
+    if ctx.half_dtype is None or name in ctx.kept or not (amax > 0 and math.isfinite(amax)):
+        return None
+    return 2.0 ** math.floor(math.log2(torch.finfo(ctx.half_dtype).max / amax))
+
+
+def _beyond_half(name: str, ctx: Context) -> str:
+    """Why no loss scale helps (its gradient exceeds the half dtype's max even unscaled),
+    or "" when one does."""
+    scale = _fitting_scale(name, ctx)
+    if scale is None or scale >= 1.0:
+        return ""
+    return (f" (its largest gradient, {ctx.grad_amax[name]:.3g}, is above "
+            f"{dtype_name(ctx.half_dtype)}'s max {torch.finfo(ctx.half_dtype).max:g} even "
+            "unscaled: no init_scale keeps it finite)")
+
+
+def _lower_scale(ctx: Context) -> str:
+    """A lower init_scale, the same in every sentence: the largest power of two at which
+    every module's largest reference parameter gradient that the half dtype can hold
+    is finite (a non-finite input gradient may need lower still)."""
+    scales = [s for s in (_fitting_scale(n, ctx) for n in ctx.grad_amax)
+              if s is not None and s >= 1.0]
+    scale = min(scales, default=ctx.loss_scale)
     if scale >= ctx.loss_scale:
-        return generic
-    return f"GradScaler(init_scale={max(scale, 1.0):g}) keeps its largest gradient finite"
+        return f"below {ctx.loss_scale:g}, e.g. GradScaler(init_scale={ctx.loss_scale / 2**8:g})"
+    return f"GradScaler(init_scale={scale:g}) keeps the largest parameter gradients finite"
 
 
 def _half_output(m: ModuleStats) -> bool:
@@ -130,8 +153,10 @@ def _grad_overflow(modules: list[ModuleStats], ctx: Context,
     for m in hits[:PER_RULE]:
         problem = (f"has {m.grad_overflow:.2%} of its gradients overflow "
                    f"{dtype_name(ctx.half_dtype)} at the initial loss scale {ctx.loss_scale:g}")
-        sentence = (f"{m.name!r} {problem}: lower init_scale ({_lower_scale(m.name, ctx)})."
-                    if ctx.loss_scale > 1 else _fix(m.name, ctx, problem))
+        if _beyond_half(m.name, ctx) or ctx.loss_scale <= 1:
+            sentence = _fix(m.name, ctx, problem + _beyond_half(m.name, ctx))
+        else:
+            sentence = f"{m.name!r} {problem}: lower init_scale ({_lower_scale(ctx)})."
         out.append((m.name, sentence))
     return out
 
