@@ -244,3 +244,15 @@ def test_an_o_level_without_suffix_runs_in_the_devices_half_dtype():
     x, y = _batch()
     result = ampkit.autotune(_fp8_model(), x, y, candidates=["O2", "O2-bf16"], steps=3)
     assert [r["policy"] for r in result.rows] == ["32-true", "O2-bf16"]
+
+
+def test_every_candidate_steps_with_the_same_dropout_masks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4))
+    x, y = _batch()
+    # fp32 with a static power-of-two loss scale: the same numbers as fp32 exactly, so
+    # any gap between the loss curves would be the dropout masks'.
+    result = ampkit.autotune(model, x, y, candidates=["p=f32,c=f32,o=f32,scale=1024"],
+                             steps=4)
+    assert [r["policy"] for r in result.rows] == ["32-true", "p=f32,c=f32,o=f32,scale=1024"]
+    assert result.rows[1]["max_loss_dev"] == 0.0

@@ -2,10 +2,11 @@
 
 Each candidate trains its own deep copy of the model from the same weights on the same
 batch, fp32 first, all in one run: the candidates take turns step by step (A B C A B C
-...), so drift and load hit them alike. The choice is :func:`choose`: the fastest
-candidate whose loss curve stays within ``max_loss_dev`` (relative) of fp32's, and never
-one measured slower than fp32 (then "32-true"). ``ampkit bench`` recommends by the same
-rule. The caller's model, its RNG state and autocast state are left as they were.
+...), so drift and load hit them alike, and every candidate's step starts from the same
+RNG state (the same dropout masks: only precision tells the loss curves apart). The
+choice is :func:`choose`: the fastest candidate whose loss curve stays within
+``max_loss_dev`` (relative) of fp32's, and never one measured slower than fp32 (then
+"32-true"). ``ampkit bench`` recommends by the same rule. The caller's model, its RNG state and autocast state are left as they were.
 
 fp8 is chosen layer by layer: an fp8 candidate ("fp8", "fp8-tensorwise", "fp8-delayed",
 "fp8-rowwise") first times every eligible Linear alone at the shape it sees, bf16 against
@@ -30,6 +31,7 @@ from ._loss import default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
+from .diagnose._rng import RngReplay
 from .fp8 import convert_to_fp8
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
@@ -179,8 +181,11 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
                   if fp8_recipe(name) is not None}
         runs = [_Run(name, model, make_opt, device, layers.get(name)) for name in names]
         trained = [run for run in runs if run.trains]
+        rng = RngReplay(torch.device(device))
         for step in range(steps):
+            rng.mark()  # each candidate's step draws the same random numbers (dropout)
             for run in trained:  # interleaved: A B C A B C ...
+                rng.rewind()
                 run.step(batch, loss_fn, timed=step >= 2)
     measured = [run.row(runs[0].losses) for run in runs]
     rows = [{key: row[key] for key in ROW_KEYS} for row in measured]

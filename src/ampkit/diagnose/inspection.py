@@ -22,10 +22,9 @@ the loss values and the watch's reads): a handful per call, never one per module
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +43,7 @@ from . import numerics as nx
 from .advice import Context, advise
 from .flops import FlopCounter
 from ._regions import autocast_off
+from ._rng import replayable_rng
 from .nonfinite import watch
 from .report import ModuleStats, Report
 
@@ -121,9 +121,9 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     inputs, target = _detached(inputs), _detached(target)
     # Both passes outside the caller's autocast regions: the reference is fp32 and the
     # policy pass runs in the policy's own region only.
-    with _replayable_rng(setup.device) as rewind, autocast_off():
+    with replayable_rng(setup.device) as rng, autocast_off():
         table, ref_loss = _reference_pass(model, inputs, target, setup)
-        rewind()
+        rng.rewind()
         return _policy_pass(model, inputs, target, setup, table, ref_loss)
 
 
@@ -200,23 +200,6 @@ def resolve_policy(policy: Union[str, Policy, None],
 
 
 # --- the two passes ----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _replayable_rng(device: torch.device) -> Iterator[Callable[[], None]]:
-    """Both passes draw the same random numbers (dropout masks); the caller's RNG state
-    is restored afterwards. CPU and CUDA generators (others are not replayed)."""
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-        cpu_state = torch.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state(device) if cuda else None
-
-        def rewind() -> None:
-            torch.set_rng_state(cpu_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, device)
-
-        yield rewind
-
-
 def _copy(model: nn.Module) -> nn.Module:
     """A deep copy (nn.Parameter's deepcopy leaves .grad behind: no gradients copied)."""
     try:
