@@ -41,6 +41,9 @@ def hot():
 
 def halved():
     return nn.Linear(4, 2).half(), (torch.randn(3, 4), torch.randn(3, 2))
+
+def sized(batch_size=0):
+    return nn.Linear(4, 2), (torch.randn(batch_size, 4), torch.randn(batch_size, 2))
 '''
 
 
@@ -213,6 +216,12 @@ def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
 def test_a_model_that_is_not_fp32_is_refused(capsys, user_models):
     line = usage_error(capsys, "--model", f"{user_models}:halved", "--quiet")
     assert "cannot inspect this model" in line and "torch.float16" in line
+
+
+def test_a_batch_size_below_1_is_refused_for_a_user_function_too(capsys, user_models):
+    for size in ("0", "-2"):
+        line = usage_error(capsys, "--model", f"{user_models}:sized", "--batch-size", size)
+        assert f"--batch-size must be a positive integer, got {size}" in line
 
 
 def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):

@@ -230,12 +230,13 @@ def get_workload(name: str, device: str, *, batch_size: Optional[int] = None,
         >>> get_workload("gpt", "cpu").batch_size
         8
     """
+    # Checked before a user function is called with it, as for a built-in model.
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
     if ":" in name:
         return user_workload(name, batch_size)
     if name not in BUILTIN_MODELS:
         raise UsageError(f"unknown model {name!r}; valid: {VALID_MODELS}")
-    if batch_size is not None and batch_size < 1:
-        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")
     cuda = torch.device(device).type == "cuda"
     batch = batch_size or _DEFAULT_BATCH[name][int(cuda)]
     return _BUILDERS[name](batch, cuda, seed)
