@@ -224,6 +224,12 @@ def test_a_batch_size_below_1_is_refused_for_a_user_function_too(capsys, user_mo
         assert f"--batch-size must be a positive integer, got {size}" in line
 
 
+def test_a_batch_without_samples_reports_no_flop_share(capsys, user_models):
+    # The function's own empty batch: its matmuls count 0 FLOPs, so there is no share.
+    assert main(["doctor", "--model", f"{user_models}:sized", "--quiet"]) == 0
+    assert "no matmul or convolution ran" in capsys.readouterr().out
+
+
 def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):
     line = usage_error(capsys, "--model", "mlp", "--policy", "bogus", "--quiet")
     assert "unknown policy 'bogus'" in line and "fp8-rowwise" in line and "bf16-mixed" in line

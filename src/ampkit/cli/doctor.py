@@ -161,7 +161,8 @@ def _print_report(result: Any, title: str, top: int, out: Any) -> None:
         print(f"(+{len(result.modules) - len(worst)} more: --top 0 shows all, --json has all)",
               file=out)
     total = sum(result.flops.values())
-    flop_rows = [[name, format_count(n), f"{n / total:.1%}"]
+    # No share when every matmul was empty (a batch of 0 samples): total is 0.
+    flop_rows = [[name, format_count(n), f"{n / total:.1%}" if total else "-"]
                  for name, n in sorted(result.flops.items(), key=lambda kv: -kv[1])]
     render_table("FLOPs by dtype", _FLOP_HEADERS, flop_rows, out)
     print(f"low-precision share: {result.low_precision_share:.1%} of the FLOPs ran below fp32"
