@@ -42,6 +42,9 @@ def hot():
 def halved():
     return nn.Linear(4, 2).half(), (torch.randn(3, 4), torch.randn(3, 2))
 
+def unseeded():
+    return nn.Linear(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
+
 def sized(batch_size=0):
     return nn.Linear(4, 2), (torch.randn(batch_size, 4), torch.randn(batch_size, 2))
 '''
@@ -126,6 +129,17 @@ def test_the_same_model_is_finite_in_bf16(capsys, tmp_path, user_models):
     doc = strict(path.read_text())
     assert doc["first_nonfinite"] is None and len(doc["modules"]) == 6
     assert all(m["overflow"] == 0.0 and not m["nonfinite"] for m in doc["modules"])
+
+
+def test_seed_decides_a_user_functions_random_weights_and_batch(capsys, tmp_path, user_models):
+    losses = []
+    for earlier in (1, 2):  # whatever ran before the command left the RNG here
+        torch.manual_seed(earlier)
+        path = tmp_path / f"after_{earlier}.json"
+        assert main(["doctor", "--model", f"{user_models}:unseeded", "--seed", "7",
+                     "--json", str(path), "--quiet"]) == 0
+        losses.append(strict(path.read_text())["ref_loss"])
+    assert losses[0] == losses[1]
 
 
 def test_policy_names_mean_what_bench_takes(capsys):

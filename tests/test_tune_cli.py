@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
+import torch
 
 import ampkit
 from ampkit._dtypes import device_policies
@@ -65,3 +67,24 @@ def test_bad_inputs_exit_2_before_training(capsys, monkeypatch, argv, words):
     assert len(err) == 1 and "Traceback" not in err[0], err
     for word in words:
         assert word in err[0], (word, err[0])
+
+
+def test_seed_decides_a_user_functions_random_weights(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tune_models_for_tests.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        def unseeded():
+            return nn.Linear(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    weights = []
+
+    def record(model, *args, **kwargs):
+        weights.append(model.weight.detach().clone())
+        raise RuntimeError("recorded")
+    monkeypatch.setattr(ampkit, "autotune", record)
+    for earlier in (1, 2):  # whatever ran before the command left the RNG here
+        torch.manual_seed(earlier)
+        main(["tune", "--model", "tune_models_for_tests:unseeded", "--seed", "7", "--quiet"])
+    assert len(weights) == 2 and torch.equal(weights[0], weights[1])

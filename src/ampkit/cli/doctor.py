@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         out_report.require_matplotlib(args.plot)
     check_output_paths(json=args.json, plot=args.plot)
+    # Seeded before get_workload: a package.module:function model is made there.
+    torch.manual_seed(args.seed)
     workload = get_workload(args.model, device, batch_size=args.batch_size, seed=args.seed)
     out = sys.stderr if args.json == "-" else sys.stdout
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"

@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     candidates = check_candidates(args.candidates, device)
     _check_numbers(args)
     check_output_paths(json=args.json)
+    # Seeded before get_workload: a package.module:function model is made there.
+    torch.manual_seed(args.seed)
     workload = get_workload(args.model, device, batch_size=args.batch_size, seed=args.seed)
     threads, threads_reason = measure.threads_for(args.threads, torch.device(device).type,
                                                   workload.build)
