@@ -42,6 +42,13 @@ def hot():
 def halved():
     return nn.Linear(4, 2).half(), (torch.randn(3, 4), torch.randn(3, 2))
 
+class Broken(nn.Linear):
+    def forward(self, x):
+        raise ValueError("bad shape inside my model")
+
+def broken():
+    return Broken(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
+
 def unseeded():
     return nn.Linear(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
 
@@ -242,6 +249,13 @@ def test_a_batch_without_samples_reports_no_flop_share(capsys, user_models):
     # The function's own empty batch: its matmuls count 0 FLOPs, so there is no share.
     assert main(["doctor", "--model", f"{user_models}:sized", "--quiet"]) == 0
     assert "no matmul or convolution ran" in capsys.readouterr().out
+
+
+def test_an_error_the_model_raises_while_running_is_a_failure_not_a_usage_error(
+        capsys, user_models):
+    assert main(["doctor", "--model", f"{user_models}:broken", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "failed: ValueError: bad shape inside my model" in err[0], err
 
 
 def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):

@@ -126,9 +126,16 @@ def _inspect(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, policy: 
              on_step: Callable[[int, int], None]) -> Any:
     """``diagnose.inspect`` with progress: one tick per module forward, in both passes.
 
+    A model inspect refuses before running (half, already converted) is a usage error
+    (exit 2); an error the model raises while it runs is a failure (exit 1).
     The forward hooks go on our own model (inspect deep-copies it with them, both times)."""
     from ..diagnose import inspect
+    from ..diagnose.inspection import check_request
 
+    try:
+        check_request(model, inputs, policy=policy, loss_fn=loss_fn)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"cannot inspect this model: {err}") from None
     modules = list(model.modules())
     total, done = 2 * len(modules), [0]
 
@@ -139,8 +146,6 @@ def _inspect(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, policy: 
     handles = [m.register_forward_hook(tick) for m in modules]
     try:
         return inspect(model, inputs, targets, policy=policy, loss_fn=loss_fn)
-    except (ValueError, TypeError) as err:  # a model inspect refuses (half, already converted)
-        raise UsageError(f"cannot inspect this model: {err}") from None
     finally:
         for handle in handles:
             handle.remove()

@@ -128,6 +128,21 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
 
 
 # --- validation ----------------------------------------------------------------------------
+def check_request(model: nn.Module, inputs: Any, *, policy: Union[str, Policy, None] = None,
+                  loss_fn: Optional[LossFn] = None) -> None:
+    """What :func:`inspect` checks before anything runs, alone: a ValueError or TypeError
+    here is a request inspect refuses (a half or converted model, a bad policy or
+    loss_fn); one that inspect raises afterwards came from running the model.
+
+    Example:
+        >>> check_request(nn.Linear(4, 2).half(), torch.randn(3, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: parameter 'weight' is torch.float16; the reference pass must be fp32; ...
+    """
+    _prepare(model, inputs, policy, loss_fn)
+
+
 def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:
     """Check every argument before anything runs; resolve the policy and the device."""
     if not isinstance(model, nn.Module):
