@@ -49,6 +49,13 @@ class Broken(nn.Linear):
 def broken():
     return Broken(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
 
+class Pair(nn.Linear):
+    def forward(self, x):
+        return super().forward(x), x.sum()
+
+def pair():
+    return Pair(4, 2), (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+
 def unseeded():
     return nn.Linear(4, 2), (torch.randn(3, 4), torch.randn(3, 2))
 
@@ -256,6 +263,13 @@ def test_an_error_the_model_raises_while_running_is_a_failure_not_a_usage_error(
     assert main(["doctor", "--model", f"{user_models}:broken", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "failed: ValueError: bad shape inside my model" in err[0], err
+
+
+def test_a_model_returning_a_tuple_without_a_loss_fn_says_what_to_return(capsys, user_models):
+    assert main(["doctor", "--model", f"{user_models}:pair", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "failed: TypeError:" in err[0], err
+    assert "returned a tuple" in err[0] and "loss_fn(output, target)" in err[0]
 
 
 def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):

@@ -342,10 +342,22 @@ def user_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
         return [(inputs.to(device), targets.to(device))]
 
     if loss_fn is None:
-        floating = targets.is_floating_point()
-        loss_fn = mse_loss if floating else classification_loss
+        loss_fn = _default_loss(spec, mse_loss if targets.is_floating_point()
+                                else classification_loss)
     return Workload(spec, build, batches, loss_fn, int(inputs.shape[0]) if inputs.dim() else 1,
                     f"{spec}, batch {tuple(inputs.shape)}")
+
+
+def _default_loss(spec: str, loss_fn: LossFn) -> LossFn:
+    """``loss_fn``, refusing a model output that is not a tensor with a message that says
+    what to return (``output.float()`` of a tuple would fail on an AttributeError)."""
+    def loss(output: Any, target: Tensor) -> Tensor:
+        if not isinstance(output, Tensor):
+            raise TypeError(f"model {spec!r} returned a {type(output).__name__} from its "
+                            "forward, not a tensor, and no loss_fn; valid: return (model, "
+                            "(inputs, targets), loss_fn) with loss_fn(output, target) -> loss")
+        return loss_fn(output, target)
+    return loss
 
 
 def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Optional[LossFn]]:
