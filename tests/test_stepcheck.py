@@ -16,9 +16,12 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 from ampkit.bench.data import load_data
-from ampkit.bench.stepcheck import PlainStep
+from ampkit.bench.policies import parse_policy
+from ampkit.bench.precision import Precision
+from ampkit.bench.stepcheck import PlainStep, StepCheck
 from ampkit.bench.train import (Trainer, TrainSettings, load_checkpoint, loss_scale_timeline,
                                 train)
 from ampkit.cli import main
@@ -94,6 +97,24 @@ def test_a_healthy_run_warns_nothing_and_keeps_its_scale():
     assert messages == []
     assert log["loss_scale_timeline"] == {"changes": [[0, 65536.0]], "skipped_steps": []}
     assert log["epochs"][0]["nonfinite"] is None and log["epochs"][0]["nonfinite_steps"] == 0
+
+
+@pytest.mark.parametrize("policy, advice", [
+    ("16-mixed", "keep it in fp32 (ampkit.keep_fp32(model, ['0'])) or train in bf16;"),
+    ("bf16-mixed", "keep it in fp32 (ampkit.keep_fp32(model, ['0']));"),  # bf16 already
+    ("O2-bf16", "keep it in fp32 (ampkit.keep_fp32(model, ['0']));"),
+    ("32-true", "no precision setting is the cause"),
+])
+def test_the_warning_advises_bf16_only_where_the_policy_is_fp16(policy, advice):
+    prec = Precision(parse_policy(policy, "cpu"), torch.device("cpu"))
+    model, opt = prec.setup(nn.Sequential(nn.Linear(4, 2)),
+                            lambda params: torch.optim.SGD(params, lr=0.1))
+    check = StepCheck(model, opt, prec, nn.functional.cross_entropy, policy, lambda m: None)
+    forward = check._message(("forward", "0"))
+    assert advice in forward
+    assert ("train in bf16" in forward) == (policy == "16-mixed")
+    backward = check._message(("backward", "0"))
+    assert ("train in bf16" in backward) == (policy == "16-mixed")
 
 
 @pytest.mark.parametrize("policy", ["16-mixed", "16-true"])

@@ -171,14 +171,20 @@ class StepCheck:
         if _has_nonfinite_params(module):
             return (f"{where}: module {shown} already holds non-finite parameters, written "
                     "by an earlier step whose gradients were non-finite" + after)
+        half = self.precision.spec.policy.half_dtype
+        # bf16 is advice only where it changes something: from fp16 (its range is fp32's).
+        bf16 = " or train in bf16" if half == torch.float16 else ""
         if phase == "forward":
+            fix = (f"keep it in fp32 (ampkit.keep_fp32(model, [{name!r}])){bf16}"
+                   if half is not None else "the policy computes in fp32 throughout, so no "
+                   "precision setting is the cause: check the model, its data and the "
+                   "learning rate")
             return (f"{where}: the first non-finite value is the output of module {shown} in "
-                    f"the forward pass{after}; keep it in fp32 (ampkit.keep_fp32(model, "
-                    f"[{name!r}])) or train in bf16; `ampkit doctor` compares every module "
+                    f"the forward pass{after}; {fix}; `ampkit doctor` compares every module "
                     "with fp32")
         return (f"{where}: the first non-finite value is a gradient of module {shown} in the "
                 f"backward pass{after} (routine while dynamic loss scaling settles; if it "
-                "repeats, lower the initial scale or train in bf16)")
+                f"repeats, lower the initial scale{bf16})")
 
 
 class PlainStep:
