@@ -234,6 +234,14 @@ def test_fp8_layers_report_sqnr_and_fp8_flops():
     assert type(model[0]) is nn.Linear  # the caller's model was not converted
 
 
+def test_an_fp8_policy_without_an_fp8_layer_says_none_ran_in_fp8():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # not multiples of 16
+    report = inspect(model, X, policy="fp8-tensorwise")
+    assert report.flops.keys() == {"bfloat16"}
+    assert len(report.advice) == 1 and "No layer ran in fp8" in report.advice[0]
+    assert "'bf16-mixed'" in report.advice[0] and "keep the policy" not in report.advice[0]
+
+
 def test_rowwise_fp8_counts_every_gemm_in_e4m3():
     model = nn.Sequential(nn.Linear(32, 32))
     report = inspect(model, torch.randn(16, 32), policy="fp8-rowwise")

@@ -15,7 +15,8 @@ The rules, most urgent first (at most :data:`PER_RULE` modules each):
    dynamic loss scaling / switch fp16 -> bf16;
 7. the first module whose output SQNR is below :data:`LOW_SQNR_DB` (where accuracy is
    lost; the modules after it inherit the error): keep it in fp32 / exclude it from fp8;
-8. nothing found: keep the policy.
+8. an fp8 policy under which no layer ran in fp8: say so (it ran as bf16-mixed);
+9. nothing found: keep the policy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from ..fp8.config import FP8_BASE_POLICY
 from .report import ModuleStats, dtype_name
 
 UNDERFLOW = 0.01  # a module is flagged when 1% of its nonzero values flush to zero
@@ -47,6 +49,7 @@ class Context:
     kept: frozenset[str] = frozenset()  # the modules keep_fp32 selected and those inside
     selection: tuple[str, ...] = ()  # the names passed to keep_fp32 (its current selection)
     fp8_layers: frozenset[str] = frozenset()
+    fp8: bool = False  # an fp8 policy: Linear layers in fp8 under bf16 autocast
     grad_amax: dict[str, float] = field(default_factory=dict)
 
 
@@ -61,6 +64,11 @@ def advise(modules: list[ModuleStats], ctx: Context) -> list[str]:
         for module, sentence in rule(modules, ctx, named):
             named.add(module)
             sentences.append(sentence)
+    if ctx.fp8 and not ctx.fp8_layers:
+        sentences.append(f"No layer ran in fp8 under {ctx.policy}: no Linear qualifies (exactly "
+                         "nn.Linear, in and out features multiples of 16), so every matmul ran "
+                         f"in bf16, as under {FP8_BASE_POLICY!r}: use that policy, or make the "
+                         "layers' features multiples of 16 for fp8.")
     return sentences or [f"No module overflows, underflows or falls below {LOW_SQNR_DB:g} dB "
                          f"SQNR under {ctx.policy}: keep the policy {ctx.policy!r}."]
 

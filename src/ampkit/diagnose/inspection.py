@@ -300,7 +300,7 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                   setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
                   ref_finite=math.isfinite(losses[0]),
                   kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
-                  grad_amax=grad_amax)
+                  fp8=setup.fp8_recipe is not None, grad_amax=grad_amax)
     return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
 
