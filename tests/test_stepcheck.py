@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit.bench.data import load_data
 from ampkit.bench.policies import parse_policy
 from ampkit.bench.precision import Precision
@@ -115,6 +116,14 @@ def test_the_warning_advises_bf16_only_where_the_policy_is_fp16(policy, advice):
     assert ("train in bf16" in forward) == (policy == "16-mixed")
     backward = check._message(("backward", "0"))
     assert ("train in bf16" in backward) == (policy == "16-mixed")
+
+
+def test_the_keep_fp32_advice_keeps_the_modules_already_kept():
+    prec = Precision(parse_policy("16-mixed", "cpu"), torch.device("cpu"))
+    model = ampkit.keep_fp32(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), ["0"])
+    model, opt = prec.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    check = StepCheck(model, opt, prec, nn.functional.cross_entropy, "16-mixed", lambda m: None)
+    assert "ampkit.keep_fp32(model, ['0', '1'])" in check._message(("forward", "1"))
 
 
 @pytest.mark.parametrize("policy", ["16-mixed", "16-true"])

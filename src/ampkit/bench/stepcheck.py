@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..diagnose import watch
+from ..keep import kept_names
 from .precision import Precision, train_step
 from .workloads import classification_loss
 
@@ -175,7 +176,9 @@ class StepCheck:
         # bf16 is advice only where it changes something: from fp16 (its range is fp32's).
         bf16 = " or train in bf16" if half == torch.float16 else ""
         if phase == "forward":
-            fix = (f"keep it in fp32 (ampkit.keep_fp32(model, [{name!r}])){bf16}"
+            # keep_fp32 replaces the model's selection: the call repeats the kept modules.
+            names = [*kept_names(self._plain), name]
+            fix = (f"keep it in fp32 (ampkit.keep_fp32(model, {names!r})){bf16}"
                    if half is not None else "the policy computes in fp32 throughout, so no "
                    "precision setting is the cause: check the model, its data and the "
                    "learning rate")
