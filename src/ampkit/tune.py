@@ -6,7 +6,8 @@ batch, fp32 first, all in one run: the candidates take turns step by step (A B C
 RNG state (the same dropout masks: only precision tells the loss curves apart). The
 choice is :func:`choose`: the fastest candidate whose loss curve stays within
 ``max_loss_dev`` (relative) of fp32's, and never one measured slower than fp32 (then
-"32-true"). ``ampkit bench`` recommends by the same rule. The caller's model, its RNG state and autocast state are left as they were.
+"32-true"). ``ampkit bench`` recommends by the same rule. The caller's model, its RNG
+state and autocast state are left as they were.
 
 fp8 is chosen layer by layer: an fp8 candidate ("fp8", "fp8-tensorwise", "fp8-delayed",
 "fp8-rowwise") first times every eligible Linear alone at the shape it sees, bf16 against
