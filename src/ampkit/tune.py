@@ -32,7 +32,7 @@ from ._loss import default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
-from .diagnose._rng import RngReplay
+from ._rng import RngReplay
 from .fp8 import convert_to_fp8
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers

@@ -43,7 +43,7 @@ from . import numerics as nx
 from .advice import Context, advise
 from .flops import FlopCounter
 from ._regions import autocast_off
-from ._rng import replayable_rng
+from .._rng import replayable_rng
 from .nonfinite import watch
 from .report import ModuleStats, Report
 
