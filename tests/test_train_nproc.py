@@ -106,6 +106,24 @@ def test_checkpoint_folders_are_checked_before_launching(capsys, no_launch, tmp_
     assert "lr=0.001" in line and "lr=0.01" in line
 
 
+def test_a_refused_resume_prints_nothing_and_a_dcp_folder_is_named_without_nproc(
+        capsys, no_launch, tmp_path):
+    """A refused --resume printed the run's header first ("..., 1 ranks (DDP, gloo)"), as
+    if it had started; without --nproc a train --nproc folder was refused as a file path
+    that "cannot be written (it is a folder)"."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
+                "lr": 1e-3, "seed": 0}
+    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-1", "nproc": 2,
+                                           "settings": settings, "history": []}))
+    assert main([*RUN, "--nproc", "1", "--checkpoint", str(folder), "--resume"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "written by 2 ranks" in captured.err
+    line = _usage_error(capsys, "--checkpoint", str(folder), "--resume")
+    assert "is a checkpoint folder of ampkit train --nproc" in line and "valid: --nproc 2" in line
+
+
 # --- two ranks -----------------------------------------------------------------------------------
 def _train(tmp_path: Path, name: str, *argv: str) -> dict:
     out = tmp_path / f"{name}.json"

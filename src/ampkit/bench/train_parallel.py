@@ -43,7 +43,8 @@ from .stepcheck import Warn
 from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
                     train_log)
 
-__all__ = ["META", "check_checkpoint_dir", "read_meta", "run_parallel_train"]
+__all__ = ["META", "check_checkpoint_dir", "check_parallel_train", "read_meta",
+           "run_parallel_train"]
 
 META = "ampkit-train.json"  # the run's settings, nproc and history, in the checkpoint
 _FORMAT = "ampkit-train-dcp-1"
@@ -100,12 +101,7 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
             settings and nproc, or a checkpoint path that cannot be written.
         RankError: a rank failed (the message names the first that did).
     """
-    if resume and not checkpoint:
-        raise UsageError("--resume needs --checkpoint DIR (the checkpoint to continue)")
-    if checkpoint:
-        check_checkpoint_dir(checkpoint, resume)
-    if resume and checkpoint:
-        _check_resume(read_meta(checkpoint), settings, plan.nproc, checkpoint)
+    check_parallel_train(settings, plan, checkpoint=checkpoint, resume=resume)
     with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
         job = os.path.join(folder, "job.json")
         with open(job, "w") as out:
@@ -117,6 +113,18 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
         launch_ranks(__name__, job, plan.nproc, plan.threads, folder, result, poll=events.poll)
         with open(result) as src:
             return json.load(src)
+
+
+def check_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
+                         checkpoint: Optional[str] = None, resume: bool = False) -> None:
+    """The checks :func:`run_parallel_train` makes before it launches, alone (UsageError):
+    a writable checkpoint folder, and to resume, one of these settings and nproc."""
+    if resume and not checkpoint:
+        raise UsageError("--resume needs --checkpoint DIR (the checkpoint to continue)")
+    if checkpoint:
+        check_checkpoint_dir(checkpoint, resume)
+    if resume and checkpoint:
+        _check_resume(read_meta(checkpoint), settings, plan.nproc, checkpoint)
 
 
 def _check_resume(meta: dict[str, Any], settings: TrainSettings, nproc: int, path: str) -> None:

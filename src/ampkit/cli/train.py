@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from .._dtypes import recommend_policy
-from ._common import add_common, check_device, check_output_paths
+from ._common import UsageError, add_common, check_device, check_output_paths
 
 if TYPE_CHECKING:
     from ..bench.parallel import ParallelPlan
@@ -59,14 +61,21 @@ def run(args: argparse.Namespace) -> int:
     policy = args.opt_level or args.policy or recommend_policy(device)[0]
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
     plan = _check_nproc(args.nproc, device)
+    if plan is None:
+        _check_not_parallel_checkpoint(args.checkpoint)
     check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
     settings = TrainSettings(model=args.model, data=args.data, data_dir=args.data_dir,
                              policy=policy, epochs=args.epochs, batch_size=args.batch_size,
                              lr=args.lr, seed=args.seed, device=device)
+    if plan is not None:  # before the header: a refused resume starts nothing
+        from ..bench.train_parallel import check_parallel_train
+
+        check_parallel_train(settings, plan, checkpoint=args.checkpoint, resume=args.resume)
     out = sys.stderr if args.json == "-" else sys.stdout
+    ranks = f", {plan.nproc} rank{'s' if plan.nproc != 1 else ''} (DDP, {plan.backend})" \
+        if plan else ""
     print(f"ampkit train: {settings.model} on {settings.data} with {policy} "
-          f"({spec.policy}) on {device}" + (f", {plan.nproc} ranks (DDP, {plan.backend})"
-                                              if plan else ""), file=out)
+          f"({spec.policy}) on {device}{ranks}", file=out)
     log = _train(args, settings, plan, out)
     _print_train_summary(log, out)
     if args.json:
@@ -97,6 +106,24 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
     with report.Progress(enabled=show, keep_done=False) as progress:
         return train(settings, checkpoint=args.checkpoint, resume=args.resume,
                      on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning)
+
+
+def _check_not_parallel_checkpoint(path: Optional[str]) -> None:
+    """Name a folder ``train --nproc`` wrote for what it is, without --nproc (it would be
+    refused as a file path that "cannot be written")."""
+    from ..bench.train_parallel import META
+
+    meta = os.path.join(path, META) if path else ""
+    if path and os.path.isdir(path) and os.path.isfile(meta):
+        try:
+            with open(meta) as src:
+                nproc = json.load(src).get("nproc")
+        except (OSError, ValueError, AttributeError):
+            nproc = None
+        again = f"--nproc {nproc}" if isinstance(nproc, int) else "the --nproc it was written with"
+        raise UsageError(f"--checkpoint {path!r} is a checkpoint folder of ampkit train --nproc "
+                         f"(torch.distributed.checkpoint); valid: {again} to use it, or a file "
+                         "path for a run in this process")
 
 
 def _check_nproc(nproc: Optional[int], device: str) -> Optional[ParallelPlan]:
