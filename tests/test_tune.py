@@ -55,6 +55,35 @@ def test_choose_is_the_rule_whatever_the_machine_measured():
     assert choose(slower, 0.02) == ("32-true", 1.0)
 
 
+def test_a_non_finite_fp32_reference_judges_no_candidate_and_says_so():
+    """fp32's own loss NaN: autotune chose 32-true as "the fp32 reference", silently, and
+    bench recommended it as "no other policy was faster"; now both say that nothing can
+    be judged and that precision is not the cause."""
+    rows = [{"policy": "32-true", "step_ms": 10.0, "max_loss_dev": None},
+            {"policy": "bf16-mixed", "step_ms": 6.0, "max_loss_dev": None}]
+    assert choose(rows, 0.02) == ("32-true", 1.0)
+    assert [r["accepted"] for r in rows] == [True, False]
+    assert "own loss is not finite: precision is not the cause" in rows[0]["reason"]
+    assert rows[1]["reason"] == "not judged: fp32's own loss is not finite"
+
+    class Nan(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x) * float("nan")
+
+    with pytest.warns(UserWarning, match=r"autotune: the fp32 reference, whose own loss"):
+        result = ampkit.autotune(Nan(), torch.randn(8, 4), torch.randn(8, 2), steps=3,
+                                 candidates=["32-true", "bf16-mixed"])
+    assert result.policy == "32-true" and result.rows[1]["accepted"] is False
+    from ampkit.bench import verdict
+    rec = {"recommended": "32-true", "rows": rows, "max_loss_dev": 0.02}
+    assert verdict.recommendation_sentence(rec, []).startswith(
+        "Recommendation: none judged (32-true by default): the fp32 reference")
+
+
 def test_apply_configures_the_users_model_as_chosen():
     model = _model()
     result = ampkit.tune.TuneResult("O2-bf16", rows=[], speedup=1.2)

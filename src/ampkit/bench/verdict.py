@@ -14,6 +14,7 @@ from typing import IO, Any, Optional, Sequence
 
 from .._measure import STABLE_HALF_WIDTH, half_width
 from .report import have_rich, render_table
+from ..tune import REF_NOT_FINITE
 from .runner import recommend
 
 BENCH_HEADERS = ("policy", "ms/step", "speedup (95% CI)", "MiB", "mem ×", "Δloss", "notes")
@@ -345,6 +346,8 @@ def recommendation_sentence(rec: dict[str, Any], results: Sequence[dict[str, Any
     rows = rec["rows"]
     ref, chosen = rows[0], next(r for r in rows if r["policy"] == rec["recommended"])
     tolerance = f"{rec['max_loss_dev'] * 100:g}%"
+    if chosen is ref and ref["reason"] == REF_NOT_FINITE:
+        return f"Recommendation: none judged ({ref['policy']} by default): {REF_NOT_FINITE}."
     if chosen is ref:
         others = ", ".join(_rejected(r) for r in rows[1:])
         why = (f"no other policy was faster than fp32 within the {tolerance} loss tolerance"
