@@ -77,6 +77,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
                        explicit_outputs=cast_model_outputs is not None, keep_fp32=keep_fp32,
                        masters_of_half_params=_masters_of_half_params(level, policy,
                                                                       master_weights))
+    if enabled and not application.master_weights:  # (masters: half params are fine)
+        _warn_about_half_params(application.models, policy, level)
     # Nothing was modified above this line.
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
@@ -84,8 +86,6 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
                                        scalers=application.scalers, log_level=log_level,
                                        scaling=policy.loss_scaling.kind != "none"))
-    if not application.master_weights:
-        _warn_about_half_params(application.models, policy, level)
     application.apply()
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
