@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 
 
-def _run(rank, kind, group):
-    """Three iterations; rank 1's gradient holds an inf in the second."""
+def _run(rank, kind, group, both=False):
+    """Three iterations; rank 1's gradient (with ``both``, every rank's) holds an inf in
+    the second."""
     param = nn.Parameter(torch.ones(4))
     opt = (torch.optim.AdamW([param], lr=0.1, fused=True) if kind == "fused"
            else torch.optim.SGD([param], lr=0.1))
@@ -26,7 +27,7 @@ def _run(rank, kind, group):
     for step in range(3):
         opt.zero_grad()
         scaler.scale(param.sum()).backward()
-        if rank == 1 and step == 1:
+        if (rank == 1 or both) and step == 1:
             param.grad[0] = float("inf")
         scaler.step(opt)
         scaler.update()
@@ -51,6 +52,9 @@ def _worker(rank, port, out_dir):
         group = dist.new_group([0, 1])
         result = {kind: _run(rank, kind, group) for kind in ("plain", "fused")}
         result["unsynced"] = _run(rank, "plain", None)
+        # Both ranks overflow (under DDP an inf reaches every rank through the all-reduce):
+        # a summed flag was 2.0, which torch's fused kernels do not take for a skip.
+        result["fused_both"] = _run(rank, "fused", group, both=True)
         result["apply_update"] = _apply_update_reduces_in_place(rank, group)
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
@@ -71,3 +75,4 @@ def test_all_ranks_skip_together_when_one_overflows(tmp_path):
     assert rank1["unsynced"]["skipped"] == [False, True, False]
     assert rank0["unsynced"]["param"] != rank1["unsynced"]["param"]
     assert rank0["apply_update"] == rank1["apply_update"] == [1.0, 4.0]
+    assert rank0["fused_both"] == rank1["fused_both"] == rank0["fused"]  # skipped, finite

@@ -424,9 +424,12 @@ class GradScaler:
     def _sync_found_inf(self, found_inf: Tensor) -> None:
         if self._process_group is None:
             return
-        # Summed over ranks so every rank makes the same skip and backoff decision. NCCL
-        # queues this on the current stream (no host sync); gloo completes it on the host.
-        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.SUM,
+        # The max over ranks, so every rank makes the same skip and backoff decision and
+        # the flag stays 0 or 1: torch's fused optimizers skip only on found_inf == 1.0
+        # (a sum is 2.0 when two ranks overflow, as every rank does under DDP, and the
+        # fused step then writes inf/NaN). NCCL queues this on the current stream (no
+        # host sync); gloo completes it on the host.
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
                                      group=self._process_group)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, Tensor]:
