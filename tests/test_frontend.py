@@ -451,6 +451,31 @@ def test_two_losses_with_different_scales_accumulate_into_one_optimizer(level, d
     assert all(torch.allclose(a, b, rtol=2e-2, atol=1e-5) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("delays", [(True, False), (False, True, False), (True, True, False)])
+def test_delay_unscale_across_losses_with_other_scales_matches_no_delay(level, delays):
+    """One process: grads a delayed exit left scaled by loss 0's scale were added to loss
+    1's and unscaled by loss 1's scale (a gradient off by their ratio, 64x here, silently:
+    O1, and O2's fp32 batch-norm params, which the optimizer steps itself). Now every
+    exit first brings the held grads to its own scale: bitwise what no delay gives."""
+    scales = [2.0**16, 2.0**10, 2.0**13]
+    grads = []
+    for use_delay in (True, False):
+        model = _model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1, eps=1e-4)
+        initialize(model, optimizer, opt_level=level, half_dtype=torch.float16,
+                   num_losses=len(delays), verbosity=0)
+        load_state_dict({f"loss_scaler{i}": {"loss_scale": scales[i], "unskipped": 0}
+                         for i in range(len(delays))})
+        optimizer.zero_grad()
+        for loss_id, delay in enumerate(delays):
+            with scale_loss(_loss(model, loss_id), optimizer, loss_id=loss_id,
+                            delay_unscale=use_delay and delay) as scaled:
+                scaled.backward()
+        grads.append([p.grad.clone() for p in master_params(optimizer)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_o2_with_model_zero_grad_does_not_accumulate_into_the_masters(dtype):
     params = []

@@ -50,6 +50,9 @@ class AmpStash:
     # kernel skips the update itself (no host sync).
     found_inf: Optional[Tensor] = None
     grads_unscaled: bool = False  # the grads hold unscaled values (a scale_loss exit ran)
+    # One process: the inverse scale the optimizer's own grads were left scaled by (a
+    # delayed exit's); another loss's exit brings them to its own scale first.
+    delayed_inv: Optional[Tensor] = None
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
     # own_params' answer, with the param_groups layout it was computed for.

@@ -332,6 +332,7 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
     if holding:
+        _to_this_scale(held, stash, inv_scale, delay)
         held.add_back(own=delay or not held.own_unscaled, half=True)
     masters = stash.masters
     keep = several and masters is not None
@@ -350,6 +351,28 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # What the optimizer's own grads now hold; a delayed exit leaves them scaled. Set on
     # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
     stash.grads_unscaled = not delay
+    stash.delayed_inv = inv_scale if delay else None
+
+
+def _to_this_scale(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor],
+                   delay: bool) -> None:
+    """Before they join this exit's grads (one process): bring the optimizer's own held
+    grads to this loss's scale. Still scaled by an earlier delayed exit, another loss's
+    scale perhaps, they go from its scale to this one (a factor of 1 for the same scale);
+    unscaled by an earlier exit, they go up to this scale when this exit leaves the grads
+    scaled (it delays). Exact for power-of-two scales."""
+    if not held.own_grads or inv_scale is None:
+        return
+    if held.own_unscaled:
+        if not delay:
+            return  # they join after this exit's unscale
+        factor = inv_scale.reciprocal()
+    elif stash.delayed_inv is not None:
+        factor = stash.delayed_inv.to(inv_scale.device) / inv_scale
+    else:
+        return
+    with torch.no_grad():
+        foreach_mul_([grad for _, grad in held.own_grads], factor)
 
 
 def _several_processes() -> bool:
