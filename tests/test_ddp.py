@@ -17,6 +17,7 @@ weights are DTensors; the inf goes into rank 1's shard of one gradient.
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -209,12 +210,22 @@ def _flat(params) -> list[float]:
 def _torch(rank: int, case: Case) -> dict:
     model = _model(case.fp8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # The delayed recipe: an unwrapped copy that sees this rank's batches at the same
+    # params, whose amax histories are what this rank's own must be (none of rank 0's).
+    shadow = copy.deepcopy(model) if case.fp8 == "delayed" else None
     ddp = _ddp(model, case)
     scaler = amp.GradScaler("cpu", enabled=case.half == F16,
                             process_group=dist.group.WORLD if case.group else None)
     record = _Record(model, lambda: list(model.parameters()))
     for step in range(STEPS):
         opt.zero_grad()
+        if shadow is not None:
+            with torch.no_grad():
+                for mine, theirs in zip(shadow.parameters(), model.parameters()):
+                    mine.copy_(theirs)
+            with amp.autocast("cpu", dtype=case.half):
+                mirror = shadow(_batch(rank, step)).float().pow(2).mean()
+            scaler.scale(_injected(mirror, rank, step, case)).backward()
         with amp.autocast("cpu", dtype=case.half):
             loss = ddp(_batch(rank, step)).float().pow(2).mean()
         scaler.scale(_injected(loss, rank, step, case)).backward()
@@ -223,6 +234,12 @@ def _torch(rank: int, case: Case) -> dict:
         scaler.update()
         record.add(loss, scaler.get_scale())
     del ddp
+    if shadow is not None:
+        histories = [(name, mine, theirs) for (name, mine), theirs
+                     in zip(model.named_buffers(), shadow.buffers()) if "amax_history" in name]
+        record.result["own_histories"] = [name for name, mine, theirs in histories
+                                          if torch.equal(mine, theirs)]
+        record.result["histories"] = [name for name, _, _ in histories]
     return record.result
 
 
@@ -307,6 +324,17 @@ def test_every_rank_holds_the_same_params_after_every_step(ranks, name):
     assert rank0["losses"] != rank1["losses"]  # each rank trained on its own batches
     assert rank0["digests"][-1] != rank0["digests"][0]  # it trained
     assert rank0["fp8_weights"] == (["Parameter"] * 2 if CASES[name].fp8 else [])
+
+
+def test_delayed_fp8_keeps_each_ranks_own_amax_histories(ranks):
+    """DDP broadcast every buffer from rank 0 before each forward, the amax histories too:
+    rank 1 cast its activations with scales from rank 0's data (saturating where its own
+    were larger). Each rank's histories are now what an unwrapped copy fed its batches
+    records."""
+    for rank in ranks:
+        result = rank["fp8-delayed"]
+        assert len(result["histories"]) == 6  # 2 layers x input, weight, grad_output
+        assert result["own_histories"] == result["histories"]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "O0"])

@@ -354,6 +354,9 @@ def test_ddp_single_process(tmp_path):
         model = convert_to_fp8(_mlp(), recipe=EMU["delayed"])
         reference = convert_to_fp8(_mlp(), recipe=EMU["delayed"])
         ddp = nn.parallel.DistributedDataParallel(model)
+        # The amax histories stay each rank's own: not among the buffers DDP broadcasts.
+        histories = {id(b) for n, b in model.named_buffers() if "amax_history" in n}
+        assert len(histories) == 9 and not histories & {id(b) for b in ddp.modules_buffers}
         for _ in range(2):
             x = torch.randn(16, 32)
             ddp(x).square().mean().backward()

@@ -497,6 +497,27 @@ def _fsdp2() -> None:
            f"FSDP2 found in {module.__name__}, not {expected}")
 
 
+def _ddp_ignore() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()) or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo and no group open")
+    module = nn.Linear(2, 2)
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("sent", torch.zeros(1))
+    tc.ddp_ignore(module, ["kept"])
+    tc.ddp_ignore(module, ["kept"])  # merged, once
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(module)
+        broadcast = {id(b) for b in ddp.modules_buffers}
+        ok = id(module.kept) not in broadcast and id(module.sent) in broadcast
+        del ddp
+    finally:
+        dist.destroy_process_group()
+    _check("ddp_ignore", ok, "DDP no longer leaves the named buffers out of its broadcast")
+
+
 def _scaled_mm() -> None:
     schema = torch.ops.aten._scaled_mm.default._schema
     args = [a.name for a in schema.arguments]
@@ -544,7 +565,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "register_load_state_dict_pre_hook": _state_dict_hooks,
     "local_parameters": _local_slots, "local_buffers": _local_slots, "local_modules": _local_slots,
     "move_hooks": _move_hooks, "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
-    "scaled_mm": _scaled_mm,
+    "scaled_mm": _scaled_mm, "ddp_ignore": _ddp_ignore,
     "cpu_capabilities": _cpu_capabilities,
 }
 _HELPERS = {"TORCH_VERSION", "TORCH_FLOOR", "TORCH_GE_2_12", "TORCH_PATHS", "parse_version",

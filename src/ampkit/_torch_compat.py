@@ -29,7 +29,7 @@ import importlib
 import re
 import types
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +56,7 @@ __all__ = [
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
     "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
-    "LR_SCHEDULER_MARK",
+    "LR_SCHEDULER_MARK", "ddp_ignore",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
     "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
@@ -346,6 +346,21 @@ register_optimizer_step_pre_hook = _entry("torch.optim.optimizer.register_optimi
 LR_SCHEDULER_MARK = "_wrapped_by_lr_sched"
 # A device-generic event: a fused step's overflow flag is read once it reached the host; 2.4.
 Event = _entry("torch.Event")
+
+# DDP leaves the parameters and buffers named in this attribute of the module it wraps
+# out of everything it does, its broadcast of rank 0's buffers before each forward too
+# (torch's own setter, DistributedDataParallel._set_params_and_buffers_to_ignore_for_model,
+# is private as well); read once, when DDP wraps the module. Since 1.x, still in 2.13.
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+def ddp_ignore(module: nn.Module, names: Iterable[str]) -> None:
+    """Add ``names`` (relative to ``module``) to what a DDP wrapping ``module`` leaves alone."""
+    names = list(names)
+    if names:
+        known = list(getattr(module, _DDP_IGNORE, ()))
+        setattr(module, _DDP_IGNORE, known + [n for n in names if n not in known])
+
 
 # --- nn.Module internals ---------------------------------------------------------------------
 # hook(module, state_dict, prefix, local_metadata) after state_dict(): O2/O3 save fp32;

@@ -237,11 +237,12 @@ def _event(path: str, rank: int, kind: str, value: Any) -> None:
 
 # --- DCP checkpoints ----------------------------------------------------------------------------
 def _state(trainer: RankTrainer) -> dict[str, Any]:
-    """What DCP saves and loads in place: TrainState, fp8 state, this rank's RNG."""
+    """What DCP saves and loads in place: TrainState, and this rank's own fp8 amax
+    histories (each rank keeps those of its data) and RNG state."""
     from ..distributed import TrainState
 
     return {"train": TrainState(trainer.model, trainer.optimizer, trainer.precision.scaler),
-            "fp8": fp8_state_dict(trainer.model.module),
+            f"fp8.rank{trainer.rank}": fp8_state_dict(trainer.model.module),
             f"rng.rank{trainer.rank}": torch.get_rng_state()}
 
 
@@ -293,7 +294,7 @@ def _load(trainer: RankTrainer, path: str) -> int:
         raise UsageError(f"--resume: checkpoint {path!r} cannot be read, it is damaged "
                          f"({_first_failure(err)}); valid: an intact copy, or start again "
                          "without --resume") from None
-    load_fp8_state_dict(trainer.model.module, state["fp8"])
+    load_fp8_state_dict(trainer.model.module, state[f"fp8.rank{trainer.rank}"])
     torch.set_rng_state(state[f"rng.rank{trainer.rank}"])
     trainer.history = list(meta["history"])
     return len(trainer.history)

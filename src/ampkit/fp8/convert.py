@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .._torch_compat import local_modules, move_hooks
+from .._torch_compat import ddp_ignore, local_modules, move_hooks
 from ..keep import kept_modules
 from .config import Float8Config, Recipe
 from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
@@ -122,7 +122,7 @@ def convert_to_fp8(model: nn.Module, *,
                         type(model).__name__, reason)
             return model
         _check_devices(config, [model])
-        return Float8Linear.from_linear(model, config)
+        return _histories_per_rank(Float8Linear.from_linear(model, config))
     _refuse_other_recipes(model, config, module_filter)
     swaps, skips = _plan(model, module_filter)
     _check_devices(config, [linear for _, _, linear in swaps])
@@ -137,6 +137,19 @@ def convert_to_fp8(model: nn.Module, *,
         logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
                 len(converted), config.short, len(skips))  # a layer in two slots counts once
+    return _histories_per_rank(model)
+
+
+def _histories_per_rank(model: nn.Module) -> nn.Module:
+    """Keep the delayed recipe's amax histories out of DDP's buffer broadcast, whichever
+    of ``model``'s modules DDP wraps: DDP sends rank 0's buffers to every rank before each
+    forward, and a rank would then scale its activations and gradients by rank 0's amaxes
+    (and saturate where its own are larger). Each rank keeps the history of what it saw."""
+    histories = [name for name, _ in model.named_buffers() if ".amax_history_" in f".{name}"]
+    if histories:
+        for prefix, module in model.named_modules():
+            start = f"{prefix}." if prefix else ""
+            ddp_ignore(module, [n[len(start):] for n in histories if n.startswith(start)])
     return model
 
 
