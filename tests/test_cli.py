@@ -41,11 +41,13 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 
 def usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    """Run main() in-process; assert exit 2 with one stderr line; return that line."""
+    """Run main() in-process; assert exit 2 with one stderr line and nothing on stdout (a
+    refusal comes before any output: train printed its run header first); return that line."""
     assert main(list(argv)) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
+    assert out == "", out
     return lines[0]
 
 

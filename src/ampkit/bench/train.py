@@ -98,6 +98,13 @@ def build_classifier(name: str, data: Dataset) -> nn.Module:
     raise UsageError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
 
 
+def check_train_model(name: str) -> None:
+    """UsageError unless ``name`` is one of train's models or a package.module:function
+    (checked before anything runs; what the function returns is checked when it runs)."""
+    if name not in ("mlp", "cnn", "resnet18") and ":" not in name:
+        raise UsageError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
+
+
 def _user_classifier(spec: str) -> nn.Module:
     result = call_user_function(spec, None, TRAIN_MODELS)
     model = result[0] if isinstance(result, (tuple, list)) and result else result
@@ -299,12 +306,15 @@ def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
 
 def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
           on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None,
-          on_warning: Optional[Warn] = None) -> dict[str, Any]:
+          on_warning: Optional[Warn] = None,
+          on_start: Optional[Callable[[], None]] = None) -> dict[str, Any]:
     """Train for ``settings.epochs`` epochs (continuing a checkpoint when ``resume``).
 
     Args:
         settings: the run. checkpoint: written after every epoch when given.
         resume: continue from ``checkpoint``. on_epoch: called with each epoch's record.
+        on_start: called once the checkpoint, the data and the model are loaded (anything
+            refused is refused before it), before the first epoch.
         on_batch: called with a task label, returns a per-batch progress callback.
         on_warning: called with a sentence naming the module when a step goes non-finite
             (the first such step of an epoch); default ``warnings.warn``.
@@ -320,6 +330,8 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
     trainer = Trainer(settings, data, warn=on_warning)
     if state is not None:
         _resume(trainer, state, str(checkpoint))
+    if on_start is not None:
+        on_start()
     start = len(trainer.history)
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, on_batch)

@@ -249,8 +249,9 @@ def _policy_sentence(r: dict[str, Any], ref: dict[str, Any], tolerance: float) -
     if speed is None:
         pace = "n/a"
     elif ci is None:
-        pace = (f"{speed:.2f}× the speed of {ref['policy']} ({'faster' if speed >= 1 else 'slower'}"
-                "; no interval)")
+        # Without an interval a ratio is no measurement of faster or slower.
+        pace = (f"{speed:.2f}× the speed of {ref['policy']} (no interval: too few rounds to "
+                "tell faster from slower)")
     else:
         pace = (f"{speed:.2f}× the speed of {ref['policy']} (95% interval {interval(ci)}: "
                 f"{_measurably(r)})")

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -22,7 +22,10 @@ Data: digits (scikit-learn's 8x8 digits, the default), cifar10 (local files via
 torchvision, never downloaded), synthetic. --checkpoint writes model, optimizer,
 GradScaler and amp state after every epoch, with a sha256 digest of its content; --resume
 continues exactly where it stopped, and refuses a checkpoint whose digest does not match
-(corrupted) or that has none (format ampkit-train-1, from before digests)."""
+(corrupted) or that has none (format ampkit-train-1, from before digests).
+--model package.module:function: a function with no arguments that returns the classifier
+(a torch.nn.Module, or a tuple whose first item is one); it takes a batch of images, N x 1
+x 8 x 8 for digits and synthetic, N x 3 x 32 x 32 for cifar10, and returns N x 10 logits."""
 
 
 def add_parser(sub: Any) -> None:
@@ -55,11 +58,12 @@ def run(args: argparse.Namespace) -> int:
     """Train a classifier under one policy, printing one line per epoch."""
     from ..bench import report
     from ..bench.policies import parse_policy
-    from ..bench.train import TrainSettings
+    from ..bench.train import TrainSettings, check_train_model
 
     device = check_device(args.device)
     policy = args.opt_level or args.policy or recommend_policy(device)[0]
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
+    check_train_model(args.model)
     plan = _check_nproc(args.nproc, device)
     if plan is None:
         _check_not_parallel_checkpoint(args.checkpoint)
@@ -74,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     ranks = f", {plan.nproc} rank{'s' if plan.nproc != 1 else ''} (DDP, {plan.backend})" \
         if plan else ""
-    print(f"ampkit train: {settings.model} on {settings.data} with {policy} "
-          f"({spec.policy}) on {device}{ranks}", file=out)
-    log = _train(args, settings, plan, out)
+    header = (f"ampkit train: {settings.model} on {settings.data} with {policy} "
+              f"({spec.policy}) on {device}{ranks}")
+    log = _train(args, settings, plan, out, lambda: print(header, file=out, flush=True))
     _print_train_summary(log, out)
     if args.json:
         report.write_json(dict({"command": "train", "environment": report.environment(device)},
@@ -85,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan],
-           out: Any) -> dict[str, Any]:
-    """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun."""
+           out: Any, on_start: Callable[[], None]) -> dict[str, Any]:
+    """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun;
+    ``on_start`` prints the header once nothing more is refused before training (in this
+    process: data and model loaded; with ranks: before they launch)."""
     from ..bench import report
     from ..bench.train import train
 
@@ -99,13 +105,15 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
     if plan is not None:
         from ..bench.train_parallel import run_parallel_train
 
+        on_start()
         return dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
                                        resume=args.resume, on_epoch=on_epoch,
                                        on_warning=on_warning), **plan.fields())
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
     with report.Progress(enabled=show, keep_done=False) as progress:
         return train(settings, checkpoint=args.checkpoint, resume=args.resume,
-                     on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning)
+                     on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning,
+                     on_start=on_start)
 
 
 def _check_not_parallel_checkpoint(path: Optional[str]) -> None:

@@ -23,8 +23,10 @@ the choice; --json writes the same with TuneResult.to_dict().
 Built-in models: mlp, cnn, resnet18, gpt (as ampkit bench builds them), or
 package.module:function returning (model, (inputs, targets)) or (model, (inputs,
 targets), loss_fn). Candidates: names ampkit.get_policy takes (32-true, bf16-mixed,
-16-mixed, O1-O3 with a half-dtype suffix such as O2-bf16, bf16-true, 16-true, or
-"p=f32,c=bf16,o=f32" separated by ';'); default: the policies the device runs natively."""
+16-mixed, O1-O3 (plain O2 takes the device's half dtype, as initialize does: O2-bf16 on a
+CPU) or with a half-dtype suffix such as O2-fp16, bf16-true, 16-true, fp8, fp8-tensorwise,
+fp8-delayed, fp8-rowwise, or "p=f32,c=bf16,o=f32" separated by ';'); default: the
+policies the device runs natively."""
 
 TUNE_HEADERS = ("policy", "ms/step", "speedup", "MiB", "Δloss", "accepted: why")
 _LEFT = (0, 5)
@@ -103,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     if not args.quiet and args.json != "-":
         print(f"tuning {len(candidates)} candidates x {args.steps} steps on "
-              f"{workload.description} ({device}, {threads} threads)...", file=sys.stderr)
+              f"{workload.description} ({device}, {threads} thread{'s' if threads != 1 else ''})"
+              "...", file=sys.stderr)
     with measure.num_threads(threads):
         result = autotune(model, inputs, target, loss_fn=workload.loss_fn, candidates=candidates,
                           max_loss_dev=args.max_loss_dev, steps=args.steps, device=device)
