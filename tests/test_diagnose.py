@@ -216,8 +216,9 @@ def test_no_overflow_or_underflow_advice_for_an_output_that_is_not_half():
 
 
 def test_keep_fp32_advice_keeps_the_current_selection():
-    # '0' kept and fine; '2' overflows: keep_fp32(model, ['2']) alone would free '0'.
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), constant_linear(8, 8, 3e4),
+    # '0' kept and fine (outputs 4); '2' overflows (8 * 4 * 3e4 = 9.6e5): keep_fp32(model,
+    # ['2']) alone would free '0'. (A random '0' let ReLU pass too little, by seed.)
+    model = nn.Sequential(constant_linear(4, 8, 1.0), nn.ReLU(), constant_linear(8, 8, 3e4),
                           Scale(1e-5), nn.Linear(8, 2))
     report = inspect(ampkit.keep_fp32(model, ["0"]), X, policy="16-mixed")
     assert report.first_nonfinite == ("forward", "2")
