@@ -254,3 +254,28 @@ def test_outside_autocast_a_model_without_half_inputs_runs_as_it_would_unkept():
         net = Net()
         ampkit.keep_fp32(net, "head")
         assert net(torch.randn(2, 16)).dtype == F32
+
+
+class _KeywordCaller(nn.Module):
+    """Calls its kept block with the half tensor as a keyword (``block(hidden_states=h)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.block(input=self.lin(x))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_half_input_given_by_keyword_is_cast_for_the_kept_module(level):
+    """The no-op path outside autocast looked at positional inputs only: a half input
+    given by keyword reached the kept fp32 module uncast (a dtype mismatch)."""
+    model = _KeywordCaller()
+    ampkit.keep_fp32(model, ["block"])
+    ampkit.initialize(model, opt_level=level, half_dtype=F16, verbosity=0)
+    assert model.block[0].weight.dtype == F32 and model.lin.weight.dtype == F16
+    out = model(torch.randn(2, 8))
+    assert out.dtype == (F32 if level == "O2" else F16)  # O2 casts outputs to fp32

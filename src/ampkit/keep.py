@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ._dtypes import HALF_DTYPES, cast_tree, iter_tensors
+from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
 from .convert import conversion_of
 
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -220,9 +220,10 @@ class _Fp32Region:
 
         device = _device_type(module, args)
         stack = self._local.__dict__.setdefault("stack", [])
-        autocasting = _has_autocast(device) and torch.is_autocast_enabled(device)
-        # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype.
-        restore = None if autocasting else _half_dtype_of(args)
+        autocasting = has_autocast(device) and torch.is_autocast_enabled(device)
+        # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype
+        # (a half input given by keyword counts: ``block(hidden_states=h)``).
+        restore = None if autocasting else _half_dtype_of((args, kwargs))
         if not autocasting and restore is None:
             # No region and no half input (an fp32 or fp64 model, the meta device): the
             # module's forward runs as it would without keep_fp32.
@@ -252,12 +253,7 @@ def _device_type(module: nn.Module, args: tuple) -> str:
     return "cpu"
 
 
-def _has_autocast(device_type: str) -> bool:
-    """Whether torch has an autocast for ``device_type`` (not for "meta", for one)."""
-    return device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
-
-
-def _half_dtype_of(args: tuple) -> Optional[torch.dtype]:
+def _half_dtype_of(args: Any) -> Optional[torch.dtype]:
     for tensor in iter_tensors(args):
         if tensor.dtype in HALF_DTYPES:
             return tensor.dtype
