@@ -219,6 +219,29 @@ def test_a_larger_models_checkpoint_is_refused_before_anything_changes(one_rank,
     assert bool(optimizer.state) is not fresh
 
 
+@pytest.mark.parametrize("kind", ["ddp_O1"])
+def test_a_parameter_frozen_since_the_save_still_loads(one_rank, tmp_path, kind):
+    """The refusal of another model's tensors must not take optimizer state of a parameter
+    this run froze (torch's get_state_dict makes none to read into) for one: the model
+    loads, that state is dropped, as torch's set_state_dict does. (O2 keys the state by
+    name itself and refuses any difference, as before.)"""
+    model, optimizer, scaler = _build(kind)
+    _steps(model, optimizer, scaler, 0, range(1))
+    dcp.save({"train": TrainState(model, optimizer, scaler), "step": 1},
+             checkpoint_id=str(tmp_path))
+    saved = [_local(t) for t in model.state_dict().values()]
+    net = Net()
+    net.inp.requires_grad_(False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, optimizer = ampkit.initialize(net, optimizer, opt_level=kind[-2:], verbosity=0,
+                                       loss_scale=1.0)
+    model = nn.parallel.DistributedDataParallel(net)
+    state = {"train": TrainState(model, optimizer, scaler), "step": 0}
+    load_checkpoint(state, checkpoint_id=str(tmp_path))
+    assert state["step"] == 1
+    assert all(torch.equal(a, _local(b)) for a, b in zip(saved, model.state_dict().values()))
+
+
 def test_plain_entries_load_in_place_as_with_dcp(one_rank, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -155,11 +155,11 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
                 targets[key] = _clone(value.state_dict())
             else:
                 targets[key] = _clone(value)
-        # The model and optimizer state a TrainState loads must be the whole of the
-        # checkpoint's there: DCP itself ignores the tensors it was not asked for.
-        whole = tuple(f"{key}.{part}." for key, value in state_dict.items()
-                      if isinstance(value, TrainState) for part in ("model", "optimizer")
-                      if part in targets[key])
+        # The model state a TrainState loads must be the whole of the checkpoint's: DCP
+        # itself ignores the tensors it was not asked for. (Optimizer state beyond this
+        # run's, of parameters frozen since, is dropped, as torch's set_state_dict does.)
+        whole = tuple(f"{key}.model." for key, value in state_dict.items()
+                      if isinstance(value, TrainState) and "model" in targets[key])
         _check_shapes(targets, checkpoint_id, dcp_kwargs.get("storage_reader"), whole)
         # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
         dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
@@ -204,9 +204,8 @@ def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any,
              and hasattr(meta, "size") and key not in keys]
     if extra:
         raise ValueError(f"load_checkpoint: the checkpoint has {len(extra)} tensor(s) this "
-                         f"run has no place for, e.g. {extra[:3]}: it is another model's "
-                         "(or another optimizer's); valid: a checkpoint of this model "
-                         "(nothing was loaded)")
+                         f"run has no place for, e.g. {extra[:3]}: it is another model's; "
+                         "valid: a checkpoint of this model (nothing was loaded)")
 
 
 def _flat_tensors(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
