@@ -175,3 +175,18 @@ def test_a_dead_rank_is_named_and_leaves_the_last_checkpoint_whole(tmp_path, cap
     assert lines == ["ampkit: rank 1 died: killed by SIGKILL"] or (
         len(lines) == 1 and "rank 1 died" in lines[0]), lines
     assert len(read_meta(ckpt)["history"]) == 1  # epoch 1's checkpoint, whole
+
+
+def test_fp8_histories_written_for_every_rank_at_once_are_told_apart(tmp_path):
+    """Checkpoints written while DDP gave every rank rank 0's histories hold them once
+    ("fp8."); now each rank's are its own ("fp8.rankN."): a resume reads either."""
+    import torch.distributed.checkpoint as dcp
+
+    from ampkit.bench.train_parallel import _shared_fp8_histories
+
+    history = {"0": {"amax_history_input": torch.ones(4)}}
+    dcp.save({"fp8": history}, checkpoint_id=str(tmp_path / "old"))
+    dcp.save({"fp8.rank0": history, "fp8.rank1": history}, checkpoint_id=str(tmp_path / "new"))
+    assert _shared_fp8_histories(str(tmp_path / "old"))
+    assert not _shared_fp8_histories(str(tmp_path / "new"))
+    assert not _shared_fp8_histories(str(tmp_path / "none"))

@@ -274,6 +274,18 @@ def _replace(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _shared_fp8_histories(path: str) -> bool:
+    """Whether the checkpoint holds one set of fp8 amax histories for every rank (key
+    "fp8."), as ampkit wrote them while DDP gave every rank rank 0's; now "fp8.rankN."."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata: load_checkpoint reports it
+        return False
+    return any(key.startswith("fp8.") and not key.startswith("fp8.rank") for key in keys)
+
+
 def _finish_replace(path: str) -> None:
     # A save killed between _replace's two renames left the previous checkpoint at .old.
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
@@ -286,6 +298,10 @@ def _load(trainer: RankTrainer, path: str) -> int:
 
     meta = read_meta(path)  # the parent checked its settings and nproc
     state = _state(trainer)
+    fp8_key = f"fp8.rank{trainer.rank}"
+    if _shared_fp8_histories(path):  # written before each rank kept its own: rank 0's
+        state["fp8"] = state.pop(fp8_key)
+        fp8_key = "fp8"
     try:
         load_checkpoint(state, checkpoint_id=path)  # a damaged one is refused, nothing loaded
     except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -294,7 +310,7 @@ def _load(trainer: RankTrainer, path: str) -> int:
         raise UsageError(f"--resume: checkpoint {path!r} cannot be read, it is damaged "
                          f"({_first_failure(err)}); valid: an intact copy, or start again "
                          "without --resume") from None
-    load_fp8_state_dict(trainer.model.module, state[f"fp8.rank{trainer.rank}"])
+    load_fp8_state_dict(trainer.model.module, state[fp8_key])
     torch.set_rng_state(state[f"rng.rank{trainer.rank}"])
     trainer.history = list(meta["history"])
     return len(trainer.history)
