@@ -309,6 +309,7 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         stash.masters.zero_model_grads(set_to_none)
     stash.grads_unscaled = False
     stash.pending_found_inf = None
+    stash.delayed_inv = None
 
 
 def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:

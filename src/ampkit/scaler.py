@@ -154,8 +154,8 @@ class GradScaler:
         hysteresis: back off only on the ``hysteresis``-th overflowing iteration in a row
             and on every further one in that run; earlier ones are skipped without backing
             off. A clean iteration resets the count. 1 is torch's rule.
-        process_group: a torch.distributed group; found-inf is all-reduced (summed) over it
-            before the skip decision, so all ranks skip together (sharded gradients).
+        process_group: a torch.distributed group; found-inf is all-reduced (its max) over
+            it before the skip decision, so all ranks skip together (sharded gradients).
             Not pickled: set ``scaler.process_group`` again after unpickling.
 
     Example::

@@ -98,10 +98,13 @@ def build_classifier(name: str, data: Dataset) -> nn.Module:
     raise UsageError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
 
 
+_BUILT_IN = ("mlp", "cnn", "resnet18")  # build_classifier's own models
+
+
 def check_train_model(name: str) -> None:
     """UsageError unless ``name`` is one of train's models or a package.module:function
     (checked before anything runs; what the function returns is checked when it runs)."""
-    if name not in ("mlp", "cnn", "resnet18") and ":" not in name:
+    if name not in _BUILT_IN and ":" not in name:
         raise UsageError(f"unknown model {name!r} for training; valid: {TRAIN_MODELS}")
 
 

@@ -91,7 +91,9 @@ def convert_to_fp8(model: nn.Module, *,
     the old Parameters, so state_dict keys and dtypes, optimizers and tied weights are
     unchanged, and they take over the old layers' hooks (the user's, and the fp32
     state-dict hooks of an earlier O2/O3 ``initialize``). Everything is checked before
-    the first swap.
+    the first swap. Under the delayed recipe each DDP rank keeps its own amax histories:
+    wrap ``model`` (or a module inside it) in DDP, not a parent it is part of, which would
+    broadcast rank 0's histories to every rank before each forward.
 
     Args:
         model: the model; a bare nn.Linear is returned converted (it cannot be swapped
