@@ -1,9 +1,11 @@
 """What ``ampkit bench`` and ``ampkit train`` run: workloads, the runner, data, reports.
 
-Modules: ``policies`` (names -> PolicySpec), ``precision`` (a policy applied to one
-training loop, the step), ``measure`` (the timing and memory harness, its statistics,
-the machine's state), ``runner`` (the policies in rounds, compared, recommended),
-``worker`` (a policy in a process of its own), ``report`` (tables, words, plots).
+Modules: ``workloads`` (the built-in models and package.module:function ones),
+``policies`` (names -> PolicySpec), ``precision`` (a policy applied to one training
+loop, the step), ``runner`` (the policies in rounds, compared, recommended), ``worker``
+(a policy in a process of its own), ``report`` (tables, words, plots), ``train`` (what
+``ampkit train`` runs; the package's ``train`` is its function: import the module's other
+names from ``ampkit.bench.train``). Timing and memory: ``ampkit._measure``.
 
 Example:
     >>> from ampkit.bench import BenchSettings, parse_policy, run_policy
