@@ -84,6 +84,17 @@ def test_a_device_index_with_nproc_exits_2(capsys, no_launch, monkeypatch):
     assert "--device cuda:1 with --nproc" in line and "valid: --device cuda" in line
 
 
+def _two_rank_record(tmp_path: Path) -> Path:
+    """A checkpoint folder holding only the run record of a 2-rank O2 run at lr 1e-3."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
+                "lr": 1e-3, "seed": 0}
+    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-1", "nproc": 2,
+                                           "settings": settings, "history": []}))
+    return folder
+
+
 def test_checkpoint_folders_are_checked_before_launching(capsys, no_launch, tmp_path):
     a_file = tmp_path / "ckpt.pt"
     a_file.write_text("")
@@ -92,12 +103,7 @@ def test_checkpoint_folders_are_checked_before_launching(capsys, no_launch, tmp_
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(tmp_path / "none"), "--resume")
     assert f"no ampkit train --nproc checkpoint at {str(tmp_path / 'none')!r}" in line
     # A checkpoint of 2 ranks, or of another learning rate, is refused before launching.
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
-                "lr": 1e-3, "seed": 0}
-    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-1", "nproc": 2,
-                                           "settings": settings, "history": []}))
+    folder = _two_rank_record(tmp_path)
     assert read_meta(str(folder))["nproc"] == 2
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder), "--resume")
     assert "written by 2 ranks" in line and "valid: --nproc 2" in line
@@ -111,12 +117,7 @@ def test_a_refused_resume_prints_nothing_and_a_dcp_folder_is_named_without_nproc
     """A refused --resume printed the run's header first ("..., 1 ranks (DDP, gloo)"), as
     if it had started; without --nproc a train --nproc folder was refused as a file path
     that "cannot be written (it is a folder)"."""
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
-                "lr": 1e-3, "seed": 0}
-    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-1", "nproc": 2,
-                                           "settings": settings, "history": []}))
+    folder = _two_rank_record(tmp_path)
     assert main([*RUN, "--nproc", "1", "--checkpoint", str(folder), "--resume"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "written by 2 ranks" in captured.err

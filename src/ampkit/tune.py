@@ -114,8 +114,7 @@ def native_candidates(device: Optional[str] = None) -> list[str]:
 
 
 REF_NOT_FINITE = ("the fp32 reference, whose own loss is not finite: precision is not the "
-                  "cause and no candidate can be judged; check the model, its data and the "
-                  "learning rate")
+                  "cause and no candidate can be judged; check the model, data and learning rate")
 
 
 def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, float]:
@@ -129,9 +128,8 @@ def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, fl
     ref_dev = reference["max_loss_dev"]  # 0.0 against itself, None when not finite
     if ref_dev is None or not math.isfinite(ref_dev):
         for row in rows:  # nothing to hold a candidate's loss against
-            row["accepted"] = row is reference
-            row["reason"] = (REF_NOT_FINITE if row is reference else
-                             "not judged: fp32's own loss is not finite")
+            row["accepted"], row["reason"] = ((True, REF_NOT_FINITE) if row is reference else
+                                              (False, "not judged: fp32's own loss is not finite"))
         return best, 1.0
     for row in rows:
         if row is reference:
@@ -206,7 +204,7 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     details = [{key: value for key, value in row.items() if key == "policy" or key not in ROW_KEYS}
                for row in measured]
     chosen, speedup = choose(rows, max_loss_dev)
-    if rows[0]["reason"] == REF_NOT_FINITE:
+    if rows[0]["reason"] == REF_NOT_FINITE:  # say so; 32-true did not win anything
         warnings.warn(f"autotune: {REF_NOT_FINITE}", UserWarning, stacklevel=2)
     chosen_run = next(run for run in runs if run.name == chosen)
     return TuneResult(chosen, rows, speedup, fp8_modules=list(chosen_run.fp8_modules),
