@@ -863,3 +863,17 @@ def test_a_compiled_train_step_stops_recompiling_and_counts_as_eager():
     assert stats == eager_stats and stats.steps == 18 and stats.skipped_steps == 6
     torch_scale, torch_weight, _ = run(True, 18, torch.amp.GradScaler)  # the same compiled step
     assert stats.scale == torch_scale and torch.equal(weight, torch_weight)
+
+
+def test_found_inf_of_several_devices_folds_to_their_max():
+    """A model on two devices overflowing on both: the per-device flags were summed, 2.0,
+    which torch's fused optimizers do not read as a skip (they test == 1.0)."""
+    from ampkit._unscale import fold_into
+
+    found = torch.ones(())
+    fold_into(found, {torch.device("cpu"): found, "second device": torch.ones(()),
+                      "third device": torch.zeros(())})
+    assert found.item() == 1.0 and found.dtype == torch.float32
+    clean = torch.zeros(())
+    fold_into(clean, {"a": clean, "b": torch.zeros(())})
+    assert clean.item() == 0.0

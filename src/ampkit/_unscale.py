@@ -77,10 +77,13 @@ def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
 
 
 def fold_into(found_inf: Tensor, found_per_device: dict[torch.device, Tensor]) -> None:
+    """The flags of the other devices into ``found_inf``: their max, so it stays 0 or 1
+    (fused optimizers skip only on exactly 1.0; a sum over two overflowing GPUs was 2.0)."""
     for found in found_per_device.values():
         if found is not found_inf:
             # A device-to-device copy is async; a copy to the CPU must complete first.
-            found_inf.add_(found.to(found_inf.device, non_blocking=found_inf.device.type != "cpu"))
+            other = found.to(found_inf.device, non_blocking=found_inf.device.type != "cpu")
+            torch.maximum(found_inf, other, out=found_inf)
 
 
 def unscale_grads_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
