@@ -791,6 +791,24 @@ def test_a_compiled_model_trains_as_the_eager_one(level):
     assert losses(compiled=True) == losses(compiled=False)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_compiled_model_is_one_graph_on_every_supported_torch(level):
+    """O1's forward runs in an autocast region. torch 2.11's dynamo cannot trace the
+    switches ampkit.autocast sets, so the graph broke at every forward (fullgraph=True
+    raised); the converted forward enters torch's own autocast while dynamo traces."""
+    model = _model()
+    initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+               half_dtype=torch.bfloat16)
+    x = _batch(0)[0]
+    eager = model(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        got = compiled(x)
+        assert got.dtype is eager.dtype and torch.equal(got, eager)
+    assert not torch.is_autocast_enabled("cpu")
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_an_initialized_model_pickles_like_a_plain_one(level):
     model = _model()

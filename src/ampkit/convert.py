@@ -22,7 +22,7 @@ import inspect
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, ContextManager, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +104,13 @@ class ForwardCasts:
     Args:
         input_dtype: floating inputs are cast to this dtype (None: left as they are).
         output_dtype: floating outputs are cast to this dtype (None: left as they are).
-        autocast: a factory of the autocast region forward runs in (None: no region).
+        autocast: ``run(func, *args)``, which calls ``func(*args)`` in the autocast region
+            forward runs in (:func:`ampkit.autocast.region_runner`; None: no region).
     """
 
     input_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
-    autocast: Optional[Callable[[], ContextManager[Any]]] = None
+    autocast: Optional[Callable[..., Any]] = None
 
     @property
     def active(self) -> bool:
@@ -246,12 +247,7 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     if casts.autocast is None:
         output = _inner_forward(module, inner, args, kwargs)
     else:
-        region = casts.autocast()
-        region.__enter__()
-        try:
-            output = _inner_forward(module, inner, args, kwargs)
-        finally:
-            region.__exit__(None, None, None)
+        output = casts.autocast(_inner_forward, module, inner, args, kwargs)
     dtype = casts.output_dtype
     if dtype is None:
         return output
