@@ -51,6 +51,32 @@ def test_amp_state_loss_scalers_read_and_write_the_scale_scale_loss_uses():
         amp._amp_state.loss_scalers[0]._loss_scale = -1
 
 
+@pytest.mark.parametrize("level,kw", [("O0", {}), ("O3", {}), ("O1", {"loss_scale": 128.0}),
+                                      ("O2", {"loss_scale": "128"})])
+def test_a_fixed_scale_counts_every_step_as_unskipped_as_apex_did(level, kw):
+    """apex's LossScaler added 1 to _unskipped at every exit that updates, fixed scale or
+    dynamic; ampkit's stayed 0 under a fixed scale (its growth tracker never moves)."""
+    model, opt = _init(level, **kw)
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    for _ in range(3):
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    with amp.scale_loss(_loss(model), opt, delay_unscale=True) as scaled:
+        scaled.backward()  # a delayed exit updates nothing, in apex neither
+    with amp.scale_loss(_loss(model), opt, delay_overflow_check=True) as scaled:
+        scaled.backward()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": scale, "unskipped": 3}}
+    assert amp._amp_state.loss_scalers[0]._unskipped == 3
+    amp._amp_state.loss_scalers[0]._unskipped = 7
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 7
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": scale, "unskipped": 11}})  # a resume
+    with amp.scale_loss(_loss(model), opt) as scaled:
+        scaled.backward()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": scale, "unskipped": 12}}
+
+
 def test_amp_state_can_turn_a_fixed_unit_scale_into_a_real_one():
     model, opt = _init("O3", F16)  # loss scale 1.0: scale_loss had nothing to do
     amp._amp_state.loss_scalers[0]._loss_scale = 128.0

@@ -37,6 +37,9 @@ class ActiveAmp:
         overflow_notes: fused overflows on their way to the host, for the log.
         scale_windows: in a run of several processes, per loss id, the loss-scale updates
             that wait for the end of their accumulation window (see ``scale_loss``).
+        fixed_unskipped: per loss id, under a fixed loss scale, the exits that would have
+            updated a dynamic one (apex's ``_unskipped``, which counted them all; a dynamic
+            scaler's count is its growth tracker). Filled by ``initialize``.
     """
 
     device_type: str
@@ -48,6 +51,7 @@ class ActiveAmp:
     scaling: bool = False
     overflow_notes: list[Any] = field(default_factory=list)
     scale_windows: dict[int, Any] = field(default_factory=dict)
+    fixed_unskipped: list[int] = field(default_factory=list)
 
     @property
     def dynamic(self) -> bool:

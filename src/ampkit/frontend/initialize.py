@@ -85,7 +85,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
         return models if optimizers is None else (models, optimizers)
     _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
                                        scalers=application.scalers, log_level=log_level,
-                                       scaling=policy.loss_scaling.kind != "none"))
+                                       scaling=policy.loss_scaling.kind != "none",
+                                       fixed_unskipped=[0] * len(application.scalers)))
     application.apply()
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",

@@ -136,6 +136,8 @@ class _ScaleLoss:
                 entry.restore()
             return False
         amp, stashes = self.amp, self.stashes
+        if not (amp.dynamic or self.delay_unscale or self.delay_overflow_check):
+            amp.fixed_unskipped[self.loss_id] += 1  # apex counted every step under a fixed scale
         if not amp.scaling:  # a fixed scale of 1.0: nothing to unscale or check
             for stash, entry in zip(stashes, held):
                 _take_grads(stash, entry, None, None, delay=True, several=self.several)

@@ -32,7 +32,8 @@ def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
     """The loss scalers' state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
 
     Exactly apex's format: ``loss_scale`` and ``unskipped`` (clean steps since the scale
-    last changed, the growth tracker) are the whole of a loss scaler's evolving state, so
+    last changed, the growth tracker; under a fixed scale every step, as apex counted
+    them) are the whole of a loss scaler's evolving state, so
     a resumed run continues bitwise; the settings come from ``initialize``. Empty when not
     initialized or disabled. Syncs with the device.
 
@@ -46,8 +47,16 @@ def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
     for i, scaler in enumerate(amp.scalers):
         full = scaler.state_dict()
         result[f"loss_scaler{i}"] = {"loss_scale": float(full["scale"]),
-                                     "unskipped": int(full["_growth_tracker"])}
+                                     "unskipped": _unskipped(amp, i, full)}
     return result
+
+
+def _unskipped(amp: _state.ActiveAmp, loss_id: int, full: dict[str, Any]) -> int:
+    """apex's ``unskipped`` of loss scaler ``loss_id`` (``full``: its state dict): the
+    growth tracker of a dynamic scaler, the count of clean steps under a fixed scale."""
+    if amp.dynamic:
+        return int(full["_growth_tracker"])
+    return amp.fixed_unskipped[loss_id]
 
 
 def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
@@ -75,9 +84,10 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     full = [_scaler_state(key, state[key], scaler) for key, scaler in pairs]
     for (_, scaler), entry in zip(pairs, full):
         scaler.check_state_dict(entry)  # validates: every entry before any scaler changes
-    for (_, scaler), entry in zip(pairs, full):
+    for i, ((_, scaler), entry) in enumerate(zip(pairs, full)):
         scaler.load_state_dict(entry)
         _note_scale(amp, scaler.get_scale())
+        amp.fixed_unskipped[i] = entry["_growth_tracker"]
 
 
 def _note_scale(amp: _state.ActiveAmp, scale: float) -> None:
@@ -124,9 +134,10 @@ class _LossScaler:
     uses the new scale). Each read or write syncs with the device.
     """
 
-    def __init__(self, amp: _state.ActiveAmp, scaler: GradScaler) -> None:
+    def __init__(self, amp: _state.ActiveAmp, loss_id: int) -> None:
         self._amp = amp
-        self._scaler = scaler
+        self._loss_id = loss_id
+        self._scaler = amp.scalers[loss_id]
 
     def loss_scale(self) -> float:
         return self._scaler.get_scale()
@@ -144,11 +155,13 @@ class _LossScaler:
 
     @property
     def _unskipped(self) -> int:
-        return int(self._scaler.state_dict()["_growth_tracker"])
+        return _unskipped(self._amp, self._loss_id, self._scaler.state_dict())
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
-        self._set(_growth_tracker=check_int("_unskipped", value, 0))
+        value = check_int("_unskipped", value, 0)
+        self._set(_growth_tracker=value)
+        self._amp.fixed_unskipped[self._loss_id] = value
 
     def _set(self, **entries: Any) -> None:
         state = self._scaler.state_dict()
@@ -169,7 +182,7 @@ class _AmpStateView:
         amp = _state.get_active()
         if amp is None or not amp.enabled:
             return []
-        return [_LossScaler(amp, scaler) for scaler in amp.scalers]
+        return [_LossScaler(amp, i) for i in range(len(amp.scalers))]
 
 
 _amp_state = _AmpStateView()
