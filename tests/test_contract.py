@@ -978,6 +978,17 @@ def test_register_missing_function_names_it_and_registers_nothing():
     assert not hasattr(ns, "nope")
 
 
+def test_register_missing_function_names_the_valid_choices():
+    """The message named the bad value only; it now names the valid ones (all of them for
+    a small namespace, the closest of a large one such as torch)."""
+    ns = types.SimpleNamespace(mm=torch.mm, bmm=torch.bmm, scale=2.0)
+    with pytest.raises(ValueError, match=r"no attribute 'nope' .*; valid: 'bmm', 'mm'$"):
+        amp.register_float_function(ns, "nope")
+    with pytest.raises(ValueError, match=r"no attribute 'mn' .*callable attributes "
+                                         r"\(closest: 'min', "):
+        amp.register_half_function(torch, "mn")
+
+
 def test_convert_to_fp8_bad_recipe_names_choices_and_changes_nothing():
     m = _Mixed()
     snap = _snapshot(m)

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import enum
 import functools
 import threading
@@ -338,11 +339,12 @@ class Registration:
 
 def _register(module: Any, name: str, kind: CastKind) -> Registration:
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str naming a function of {module!r}, got {name!r}")
+        raise TypeError(f"name must be a str naming a function of {module!r}, got {name!r}; "
+                        "valid: the name of a callable attribute, e.g. 'mm' with torch")
     original = getattr(module, name, None)
     if original is None:
         raise ValueError(f"{_module_name(module)} has no attribute {name!r} to register as a "
-                         f"{kind.value} function")
+                         f"{kind.value} function; {_valid_names(module, name)}")
     if not callable(original):
         raise ValueError(f"{_module_name(module)}.{name} is not callable (a {type(original).__name__})")
     key = (id(module), name)
@@ -362,6 +364,21 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
         else:
             _sync_installed()
     return reg
+
+
+def _valid_names(module: Any, name: str) -> str:
+    """The valid choices for a missing ``name``: the callable attributes of ``module``
+    closest to it (all of them, when few)."""
+    names = sorted(attr for attr in dir(module)
+                   if not attr.startswith("_") and callable(getattr(module, attr, None)))
+    if not names:
+        return f"valid: the name of a callable attribute, and {_module_name(module)} has none"
+    if len(names) <= 8:
+        return f"valid: {', '.join(map(repr, names))}"
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    example = next((attr for attr in names if attr.islower()), names[0])
+    hint = f"closest: {', '.join(map(repr, close))}" if close else f"e.g. {example!r}"
+    return f"valid: one of its {len(names)} callable attributes ({hint})"
 
 
 def _check_installable(reg: Registration) -> None:
