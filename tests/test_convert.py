@@ -221,6 +221,61 @@ def test_state_dict_saves_and_loads_the_fp32_masters(dtype):
     assert torch.equal(model[1].weight, loaded["1.weight"])  # kept fp32: no master
 
 
+def _o2_net():
+    model = _net()
+    convert_model(model, param_dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer, attach_master_weights(optimizer)
+
+
+def _snapshot(model, masters):
+    return ([(p, p.detach().clone()) for p in model.parameters()],
+            [m.detach().clone() for m in masters.master_params])
+
+
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_load_state_dict_with_assign_is_refused_before_anything_is_loaded(where):
+    """assign=True put new tensors in place of the half params whose masters the
+    optimizer steps: accepted silently, and training no longer reached the model."""
+    model, optimizer, masters = _o2_net()
+    target = model if where == "model" else model[2]
+    loaded = {k: v + 1 if v.is_floating_point() else v for k, v in target.state_dict().items()}
+    params, master_values = _snapshot(model, masters)
+    with pytest.raises(ValueError, match=r"assign=True\) .* fp32 masters .*valid: assign=False"):
+        target.load_state_dict(loaded, assign=True)
+    assert all(p is q and torch.equal(q, v) for (p, v), q in zip(params, model.parameters()))
+    assert all(torch.equal(m, v) for m, v in zip(masters.master_params, master_values))
+    target.load_state_dict(loaded)  # without assign: copied into the masters
+    assert torch.equal(masters.master_params[-1], loaded["bias"] if where == "submodule"
+                       else loaded["2.bias"])
+
+
+def test_load_state_dict_in_torchs_swap_mode_loads_the_masters():
+    """torch's swap mode (load_state_dict swaps each param with swap_tensors) raised
+    "Cannot swap t1 because it has weakref associated with it" for every param with a
+    master, after the masters and params had taken the new values."""
+    model, optimizer, masters = _o2_net()
+    loaded = {k: v + 0.5 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(loaded)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert all(p is q for p, q in zip(params, model.parameters()))  # swapped in place
+    assert torch.equal(masters.master_params[0], loaded["0.weight"])
+    assert torch.equal(model[0].weight, loaded["0.weight"].to(torch.bfloat16))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in loaded.items())  # the masters, still linked
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    masters.move_grads()
+    optimizer.step()
+    masters.copy_to_model()
+    assert torch.equal(model[0].weight, masters.master_params[0].to(torch.bfloat16))
+    assert not torch.equal(masters.master_params[0], loaded["0.weight"])  # it trained
+
+
 @pytest.mark.parametrize("masters", [True, False], ids=["O2", "O3"])
 def test_keep_vars_gives_variables_that_say_they_train_in_fp32(masters):
     """state_dict(keep_vars=True) gave detached masters (requires_grad False): the idiom

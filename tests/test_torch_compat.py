@@ -413,17 +413,35 @@ def _state_dict_hooks() -> None:
     def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         seen.append(("pre", module, prefix))
 
+    def after(module, incompatible_keys):
+        seen.append(("after", module, list(incompatible_keys.missing_keys)))
+
     handles = [tc.register_state_dict_post_hook(model, post),
-               tc.register_load_state_dict_pre_hook(model, pre)]
+               tc.register_load_state_dict_pre_hook(model, pre),
+               tc.register_load_state_dict_post_hook(model, after)]
     saved = model.state_dict()
     model.load_state_dict({k: v.float() for k, v in saved.items()})
     for handle in handles:
         handle.remove()
     model.load_state_dict(model.state_dict())
+    _check("register_load_state_dict_post_hook", seen[-1] == ("after", model, []),
+           f"hook(module, incompatible_keys) after the load: {seen}")
+    seen.remove(seen[-1])
     _check("register_state_dict_post_hook", ("post", model, "") in seen and saved["weight"].dtype
            is torch.float64, "hook(module, state_dict, prefix, local_metadata) did not edit the dict")
     _check("register_load_state_dict_pre_hook", ("pre", model, "") in seen and len(seen) == 2,
            f"hook(module, state_dict, prefix, ...) calls: {seen}; its handle must remove it")
+
+
+def _swap_mode() -> None:
+    previous = tc.swaps_params_on_load()
+    torch.__future__.set_swap_module_params_on_conversion(not previous)
+    try:
+        flipped = tc.swaps_params_on_load()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    _check("swaps_params_on_load", isinstance(previous, bool) and flipped is (not previous),
+           "torch.__future__.get_swap_module_params_on_conversion() does not read the setting")
 
 
 def _local_slots() -> None:
@@ -563,6 +581,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
+    "register_load_state_dict_post_hook": _state_dict_hooks, "swaps_params_on_load": _swap_mode,
     "local_parameters": _local_slots, "local_buffers": _local_slots, "local_modules": _local_slots,
     "move_hooks": _move_hooks, "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
     "scaled_mm": _scaled_mm, "ddp_ignore": _ddp_ignore,

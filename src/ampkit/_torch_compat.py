@@ -58,7 +58,8 @@ __all__ = [
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
     "LR_SCHEDULER_MARK", "ddp_ignore",
     # nn.Module internals
-    "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "local_parameters",
+    "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
+    "register_load_state_dict_post_hook", "swaps_params_on_load", "local_parameters",
     "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
     # distributed
     "fsdp2",
@@ -379,6 +380,21 @@ def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) 
 def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
     """``module.register_load_state_dict_pre_hook(hook)``; hook(module, state_dict, prefix, ...)."""
     return _LOAD_STATE_DICT_PRE_HOOK(module, hook)
+
+
+# hook(module, incompatible_keys) after the module's load_state_dict (its children's too);
+# public since 2.0.
+_LOAD_STATE_DICT_POST_HOOK = _entry("torch.nn.Module.register_load_state_dict_post_hook")
+
+
+def register_load_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_load_state_dict_post_hook(hook)``; hook(module, incompatible_keys)."""
+    return _LOAD_STATE_DICT_POST_HOOK(module, hook)
+
+
+# Whether load_state_dict and _apply swap parameters (torch.utils.swap_tensors) rather
+# than copy into them: torch.__future__.set_swap_module_params_on_conversion (2.3).
+swaps_params_on_load = _entry("torch.__future__.get_swap_module_params_on_conversion")
 
 
 def local_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:

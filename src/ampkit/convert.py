@@ -34,10 +34,12 @@ from ._torch_compat import (
     BatchNormBase,
     local_buffers,
     local_parameters,
+    register_load_state_dict_post_hook,
     register_load_state_dict_pre_hook,
     register_state_dict_post_hook,
+    swaps_params_on_load,
 )
-from .master import master_of
+from .master import master_of, resume_after_swap, suspend_for_swap
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
 BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (BatchNormBase,)
@@ -325,13 +327,18 @@ class _ConvertedForward:
 
 # --- state-dict hooks ---------------------------------------------------------------------
 def _install_fp32_state_dict(model: nn.Module) -> list[RemovableHandle]:
-    """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work."""
+    """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work.
+
+    Every module gets the assign check: a load's first hook runs on the module it was
+    called on, before anything is loaded."""
     handles = []
     for module in model.modules():
+        handles.append(register_load_state_dict_pre_hook(module, _refuse_assign))
         if not (local_parameters(module) or local_buffers(module)):
             continue
         handles.append(register_state_dict_post_hook(module, _save_fp32))
         handles.append(register_load_state_dict_pre_hook(module, _load_into_masters))
+        handles.append(register_load_state_dict_post_hook(module, _after_load))
     return handles
 
 
@@ -362,14 +369,37 @@ def _fp32(tensor: Tensor) -> Tensor:
     return tensor.detach().float() if tensor.dtype in HALF_DTYPES else tensor
 
 
+def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
+                   *_: Any) -> None:
+    """``load_state_dict(assign=True)`` would put new tensors in place of half parameters
+    whose fp32 masters the optimizer steps: training would never reach the model again
+    (nor its state_dict the masters). Refused before anything is loaded."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    if any(master_of(param) is not None for param in module.parameters()):
+        raise ValueError(
+            f"load_state_dict(assign=True) on {type(module).__name__}, whose half parameters "
+            "have fp32 masters (O2): it would replace the parameters the masters write "
+            "into, and training would no longer reach the model; valid: assign=False (the "
+            "values are copied into the masters and the half parameters), or assign=True "
+            "before ampkit.initialize. Nothing was loaded")
+
+
 def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
                        strict: bool, missing_keys: list, unexpected_keys: list,
                        error_msgs: list) -> None:
     # torch itself copies the value into the half parameter (rounding to nearest, the same
     # rounding as the master -> model copy after a step), so model == half(master) holds.
+    params = [param for param in local_parameters(module).values() if param is not None]
     with torch.no_grad():
         for name, param in local_parameters(module).items():
             value = state_dict.get(prefix + name)
             master = master_of(param) if param is not None else None
             if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
                 master.copy_(value)
+    if swaps_params_on_load():
+        suspend_for_swap(params)  # until _after_load: swap_tensors refuses weak references
+
+
+def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    resume_after_swap([p for p in local_parameters(module).values() if p is not None])

@@ -72,6 +72,34 @@ def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
                       weakref.ref(owner))
 
 
+# Entries taken out of _REGISTRY while torch swaps their params (see suspend_for_swap).
+_SUSPENDED: dict[int, tuple[Tensor, Tensor, weakref.ref]] = {}
+
+
+def suspend_for_swap(params: Iterable[Tensor]) -> None:
+    """Drop the weak references to ``params`` (their masters kept aside) until
+    :func:`resume_after_swap`: torch.utils.swap_tensors, which load_state_dict uses in
+    torch's swap mode, refuses a tensor that has weak references. A swap keeps the
+    Python object, so each param's master is its master again afterwards."""
+    for param in params:
+        entry = _REGISTRY.get(id(param))
+        if entry is not None and entry[0]() is param:
+            del _REGISTRY[id(param)]  # the only reference to the weakref: it goes with it
+            _SUSPENDED[id(param)] = (param, entry[1], entry[2])
+
+
+def resume_after_swap(params: Iterable[Tensor]) -> None:
+    """Put back what :func:`suspend_for_swap` took out for ``params``."""
+    if not _SUSPENDED:
+        return  # every load but one in swap mode
+    for param in params:
+        entry = _SUSPENDED.pop(id(param), None)
+        if entry is not None and entry[0] is param:
+            owner = entry[2]()
+            if owner is not None:
+                _register(param, entry[1], owner)
+
+
 def new_master(param: Tensor) -> Tensor:
     """An fp32 copy of a half parameter, marked as an ampkit master."""
     master = param.detach().clone().float().requires_grad_(param.requires_grad)
