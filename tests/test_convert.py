@@ -17,6 +17,7 @@ from torch import nn
 from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
                             convert_model, remove_conversion)
 from ampkit.autocast import region_runner
+from ampkit.master import master_of
 from ampkit.optim import attach_master_weights
 from conftest import DEVICES, HALF_DTYPES
 
@@ -268,12 +269,14 @@ def test_load_state_dict_in_torchs_swap_mode_loads_the_masters():
     assert torch.equal(model[0].weight, loaded["0.weight"].to(torch.bfloat16))
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in loaded.items())  # the masters, still linked
-    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward()
     masters.move_grads()
     optimizer.step()
     masters.copy_to_model()
-    assert torch.equal(model[0].weight, masters.master_params[0].to(torch.bfloat16))
-    assert not torch.equal(masters.master_params[0], loaded["0.weight"])  # it trained
+    trained = masters.master_params[-2]  # the last layer's weight (its grad is never 0 here)
+    assert trained is master_of(model[2].weight)
+    assert torch.equal(model[2].weight, trained.to(torch.bfloat16))
+    assert not torch.equal(trained, loaded["2.weight"])  # it trained
 
 
 @pytest.mark.parametrize("masters", [True, False], ids=["O2", "O3"])
