@@ -178,6 +178,40 @@ def test_a_dead_rank_is_named_and_leaves_the_last_checkpoint_whole(tmp_path, cap
     assert len(read_meta(ckpt)["history"]) == 1  # epoch 1's checkpoint, whole
 
 
+_FAILING_IN_RANKS = """\
+    import os
+
+    import torch
+
+
+    def make():
+        if "RANK" in os.environ:  # torchrun's ranks only: the parent's checks pass
+            raise ValueError("no weights for this rank")
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+"""
+
+
+@pytest.mark.slow
+@needs_two_cores
+def test_an_error_inside_the_ranks_before_training_prints_no_header(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The header ("ampkit train: ... 2 ranks (DDP, gloo)") was printed before the ranks
+    launched, so a model the ranks could not build printed a run that never started; it
+    now comes once rank 0 has its data, model and checkpoint."""
+    (tmp_path / "rank_model.py").write_text(textwrap.dedent(_FAILING_IN_RANKS))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["train", "--model", "rank_model:make", "--data", "synthetic", "--quiet",
+            "--nproc", "2", "--epochs", "1", "--batch-size", "64"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "ampkit train: error: model 'rank_model:make': calling it raised ValueError: no "
+        "weights for this rank (rank "), lines
+
+
 def test_fp8_histories_written_for_every_rank_at_once_are_told_apart(tmp_path):
     """Checkpoints written while DDP gave every rank rank 0's histories hold them once
     ("fp8."); now each rank's are its own ("fp8.rankN."): a resume reads either."""

@@ -93,8 +93,11 @@ def read_meta(path: str) -> dict[str, Any]:
 def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                        checkpoint: Optional[str] = None, resume: bool = False,
                        on_epoch: Optional[OnEpoch] = None,
-                       on_warning: Optional[Warn] = None) -> dict[str, Any]:
+                       on_warning: Optional[Warn] = None,
+                       on_start: Optional[Callable[[], None]] = None) -> dict[str, Any]:
     """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
+    ``on_start`` is called once rank 0 has read its data, model and checkpoint, before
+    its first epoch (an error the ranks find before then comes without it).
 
     Raises:
         UsageError: before launching: ``--resume`` without a checkpoint of this run's
@@ -108,7 +111,7 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
             json.dump({"settings": asdict(settings), "backend": plan.backend, "folder": folder,
                        "threads": plan.threads, "resume": resume,
                        "checkpoint": os.path.abspath(checkpoint) if checkpoint else None}, out)
-        events = _EventReader(os.path.join(folder, _EVENTS), on_epoch, on_warning)
+        events = _EventReader(os.path.join(folder, _EVENTS), on_epoch, on_warning, on_start)
         result = os.path.join(folder, _RESULT)
         launch_ranks(__name__, job, plan.nproc, plan.threads, folder, result, poll=events.poll)
         with open(result) as src:
@@ -141,9 +144,10 @@ def _check_resume(meta: dict[str, Any], settings: TrainSettings, nproc: int, pat
 class _EventReader:
     """The parent's side of rank 0's events file: epoch records and warnings, as they come."""
 
-    def __init__(self, path: str, on_epoch: Optional[OnEpoch], on_warning: Optional[Warn]) -> None:
+    def __init__(self, path: str, on_epoch: Optional[OnEpoch], on_warning: Optional[Warn],
+                 on_start: Optional[Callable[[], None]] = None) -> None:
         self.path, self.offset = path, 0
-        self.on_epoch, self.on_warning = on_epoch, on_warning
+        self.on_epoch, self.on_warning, self.on_start = on_epoch, on_warning, on_start
 
     def poll(self) -> None:
         if not os.path.exists(self.path):
@@ -155,7 +159,9 @@ class _EventReader:
         self.offset += len(complete.encode())
         for line in complete.splitlines():
             event = json.loads(line)
-            if "epoch" in event and self.on_epoch is not None:
+            if "start" in event and self.on_start is not None:
+                self.on_start()
+            elif "epoch" in event and self.on_epoch is not None:
                 self.on_epoch(event["epoch"])
             elif "warning" in event and self.on_warning is not None:
                 self.on_warning(event["warning"])
@@ -220,6 +226,7 @@ def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
                           rank, world)
     checkpoint = job["checkpoint"]
     start = _load(trainer, checkpoint) if job["resume"] else 0
+    _event(events, rank, "start", start)  # data, model and checkpoint read: the header
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, None)
         trainer.history.append(record)

@@ -92,7 +92,8 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
            out: Any, on_start: Callable[[], None]) -> dict[str, Any]:
     """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun;
     ``on_start`` prints the header once nothing more is refused before training (in this
-    process: data and model loaded; with ranks: before they launch)."""
+    process: data and model loaded; with ranks: once rank 0 has its data, model and
+    checkpoint)."""
     from ..bench import report
     from ..bench.train import train
 
@@ -105,10 +106,10 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
     if plan is not None:
         from ..bench.train_parallel import run_parallel_train
 
-        on_start()
         return dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
                                        resume=args.resume, on_epoch=on_epoch,
-                                       on_warning=on_warning), **plan.fields())
+                                       on_warning=on_warning, on_start=on_start),
+                    **plan.fields())
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
     with report.Progress(enabled=show, keep_done=False) as progress:
         return train(settings, checkpoint=args.checkpoint, resume=args.resume,
