@@ -292,6 +292,25 @@ def test_meta_init_keeps_fp8_gathers_and_the_optimizer_state_stays_plain(one_ran
     assert kinds == {torch.Tensor}
 
 
+def test_a_meta_built_delayed_model_trains_like_one_built_on_the_cpu(one_rank, monkeypatch):
+    """The delayed histories of a meta-built sharded model: to_empty() gave them whatever
+    memory it got (silently wrong scales from the second step); they are zeros, plain
+    tensors on the shards' device, as for a model built there."""
+    reference = shard(_fp8(Stack(), "delayed"), "32-true")
+    weights = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    with torch.device("meta"):
+        model = _fp8(Stack(), "delayed")
+    shard(model, "32-true")
+    with monkeypatch.context() as patch:  # memory that held other values, as empty_like's may
+        patch.setattr(torch, "empty_like", lambda t, **kw: torch.full_like(t, 3e20, **kw))
+        model.to_empty(device="cpu")
+    model.load_state_dict(weights)
+    histories = [b for n, b in model.named_buffers() if "amax_history" in n]
+    assert len(histories) == 9 and all(type(h) is torch.Tensor and not h.any() for h in histories)
+    assert _train(model) == _train(reference)
+    assert all(torch.equal(v, _full(reference)[k]) for k, v in _full(model).items())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()
                          and fp8_supported("cuda")), reason="needs a GPU with fp8 tensor cores")

@@ -241,3 +241,65 @@ def test_checkpointed_scales_follow_each_call_and_each_backward():
     del y1, y2
     gc.collect()
     assert kept_scales.pending_calls() == 0
+
+
+# --- a model built on the meta device (FSDP2's usual initialisation) --------------------------
+
+def _stack() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+
+
+def _used_memory(t: torch.Tensor, **kwargs) -> torch.Tensor:
+    """What ``torch.empty_like`` may return: memory that held other values (fixed ones here,
+    so the test does not depend on the allocator)."""
+    return torch.full_like(t, 3e20, **kwargs)
+
+
+def _meta_built(materialize: str, weights: dict, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
+    with torch.device("meta"):
+        model = convert_to_fp8(_stack(), recipe=DELAYED)
+    if materialize == "to_empty":
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "empty_like", _used_memory)  # what nn.Module.to_empty calls
+            model.to_empty(device="cpu")
+        model.load_state_dict(weights)
+    else:  # torch's set_model_state_dict into a meta model
+        model.load_state_dict(weights, assign=True)
+    return model
+
+
+def _sgd_losses(model: nn.Module, steps: int = 4) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_same_state(model: nn.Module, reference: nn.Module) -> None:
+    state, expected = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    fp8, fp8_expected = fp8_state_dict(model), fp8_state_dict(reference)
+    for name, layer in fp8_expected.items():
+        for key, value in layer.items():
+            got = fp8[name][key]
+            assert (torch.equal(got, value) and got.device == value.device
+                    if torch.is_tensor(value) else got == value), (name, key)
+
+
+@pytest.mark.parametrize("materialize", ["to_empty"])
+def test_a_meta_built_model_trains_bitwise_like_one_built_on_the_cpu(materialize, monkeypatch):
+    """to_empty() gave the histories whatever memory it got (scales from it from the second
+    step: outputs silently wrong); they now start from zeros on the weight's device."""
+    reference = convert_to_fp8(_stack(), recipe=DELAYED)
+    model = _meta_built(materialize, copy.deepcopy(reference.state_dict()), monkeypatch)
+    if materialize == "to_empty":  # made at once, before any forward
+        assert all(torch.equal(h, torch.zeros(4)) for n, h in model.named_buffers() if "amax" in n)
+    assert _sgd_losses(model) == _sgd_losses(reference)
+    _assert_same_state(model, reference)

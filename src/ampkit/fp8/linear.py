@@ -256,11 +256,13 @@ class Float8Linear(AfterApply, nn.Linear):
     are empty); a layer called twice before its first backward sees an empty gradient
     history in the second call's backward, so that one step's gradient is cast with
     scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
-    the histories without updating them. Under eager ``torch.utils.checkpoint``
-    (non-reentrant; torch 2.11 or newer) each recomputation casts by the scales its own
-    forward used and records nothing, so a checkpointed run equals an unchecked one
-    bitwise; reentrant checkpointing runs the forward without grad and records in the
-    recomputation, which is the same where each layer runs once per backward. Not
+    the histories without updating them. A layer built on the meta device gets zero
+    histories on its weight's device, as one built there, at ``to_empty()``. Under eager
+    ``torch.utils.checkpoint`` (non-reentrant; torch 2.11 or newer) each recomputation
+    casts by the scales its own forward used and records nothing, so a checkpointed run
+    equals an unchecked one bitwise; reentrant checkpointing runs the forward without
+    grad and records in the recomputation, which is the same where each layer runs once
+    per backward. Not
     covered: checkpointing inside torch.compile, and a selective ``context_fn`` that
     saves the casts' own ops. There is no double backward (it raises).
 
@@ -310,13 +312,21 @@ class Float8Linear(AfterApply, nn.Linear):
         """(Re)create the delayed histories on the weight's device; forget the backend."""
         delayed = self.config.recipe is Recipe.DELAYED
         for name in _ROLE_NAMES:
-            history = (torch.zeros(self.config.amax_history_len, dtype=torch.float32,
-                                   device=self.weight.device) if delayed else None)
+            history = self._zero_history() if delayed else None
             self.register_buffer(f"amax_history_{name}", history, persistent=False)
+        # Histories made on the meta device hold no values: to_empty() fills them with
+        # whatever memory it gets. They are made again, as zeros, where the weight is once
+        # it is on a real device.
+        self._histories_pending = delayed and self.weight.device.type == "meta"
         self._delayed_started = False
         self._backend_device: Optional[torch.device] = None
         self._native = False
         self._resolve_backend()
+
+    def _zero_history(self) -> Tensor:
+        # A plain tensor also where the weight is an FSDP2 DTensor (its device: its shard's).
+        return torch.zeros(self.config.amax_history_len, dtype=torch.float32,
+                           device=self.weight.device)
 
     # .half()/.to(bf16) and initialize's cast leave them fp32 and exact: an amax rounded
     # down in a 16-bit history would make the next scale too large and saturate, and one
@@ -324,9 +334,25 @@ class Float8Linear(AfterApply, nn.Linear):
     FP32_BUFFERS = tuple(f"amax_history_{name}" for name in _ROLE_NAMES)
 
     def after_apply(self) -> None:
-        # After .to()/.cuda()/.half() (_torch_compat.AfterApply): decide the backend for
-        # the new device now, in eager code, so a compiled forward only reads a Python bool.
+        # After .to()/.cuda()/.half()/.to_empty() (_torch_compat.AfterApply): decide the
+        # backend and make meta-built histories for the new device now, in eager code, so
+        # a compiled forward only reads Python bools.
+        self._make_pending_histories()
         self._resolve_backend()
+
+    def _make_pending_histories(self) -> bool:
+        """Zero histories on the weight's device, once, for histories made on meta; True
+        when this call made them.
+
+        Called where the layer is first used on a real device: after a move (``to_empty``
+        of a meta-built model) and when its fp8 state is read or loaded.
+        """
+        if not self._histories_pending or self.weight.device.type == "meta":
+            return False
+        for name in _ROLE_NAMES:
+            setattr(self, f"amax_history_{name}", self._zero_history())
+        self._histories_pending = False
+        return True
 
     def _resolve_backend(self) -> bool:
         """Whether this layer calls torch._scaled_mm: decided once per weight device."""
@@ -398,6 +424,7 @@ class Float8Linear(AfterApply, nn.Linear):
         """The delayed recipe's amax histories and warm-up flag (empty for other recipes)."""
         if self.config.recipe is not Recipe.DELAYED:
             return {}
+        self._make_pending_histories()
         state: dict[str, Any] = {"started": self._delayed_started}
         for name in _ROLE_NAMES:
             state[f"amax_history_{name}"] = getattr(self, f"amax_history_{name}").detach().clone()
