@@ -293,13 +293,41 @@ def _assert_same_state(model: nn.Module, reference: nn.Module) -> None:
                     if torch.is_tensor(value) else got == value), (name, key)
 
 
-@pytest.mark.parametrize("materialize", ["to_empty"])
+@pytest.mark.parametrize("materialize", ["to_empty", "assign"])
 def test_a_meta_built_model_trains_bitwise_like_one_built_on_the_cpu(materialize, monkeypatch):
     """to_empty() gave the histories whatever memory it got (scales from it from the second
-    step: outputs silently wrong); they now start from zeros on the weight's device."""
+    step: outputs silently wrong); an assigning load left them on meta (the first forward
+    failed on a device mismatch). Both now start from zeros on the weight's device."""
     reference = convert_to_fp8(_stack(), recipe=DELAYED)
     model = _meta_built(materialize, copy.deepcopy(reference.state_dict()), monkeypatch)
     if materialize == "to_empty":  # made at once, before any forward
         assert all(torch.equal(h, torch.zeros(4)) for n, h in model.named_buffers() if "amax" in n)
     assert _sgd_losses(model) == _sgd_losses(reference)
+    _assert_same_state(model, reference)
+
+
+def test_a_meta_built_model_loads_its_fp8_state_before_a_first_forward(monkeypatch):
+    """Histories made at the first forward would overwrite a resumed state with zeros."""
+    reference = convert_to_fp8(_stack(), recipe=DELAYED)
+    _sgd_losses(reference, steps=2)
+    model = _meta_built("assign", copy.deepcopy(reference.state_dict()), monkeypatch)
+    load_fp8_state_dict(model, fp8_state_dict(reference))
+    assert _sgd_losses(model, steps=2) == _sgd_losses(reference, steps=2)
+    _assert_same_state(model, reference)
+
+
+def test_a_meta_built_model_after_an_assigning_load_compiles(monkeypatch):
+    """The histories are made in eager code (one graph break, in the first call only);
+    with fullgraph=True the error says why and what to do."""
+    torch._dynamo.reset()
+    reference = convert_to_fp8(_stack(), recipe=DELAYED)
+    weights = copy.deepcopy(reference.state_dict())
+    model = _meta_built("assign", weights, monkeypatch)
+    with pytest.raises(Exception, match=r"histories of this meta-built layer .* valid: one eager "
+                                        r"forward first"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(torch.randn(8, 32))
+    torch._dynamo.reset()
+    model = _meta_built("assign", weights, monkeypatch)
+    compiled = torch.compile(model, backend="aot_eager")
+    assert _sgd_losses(compiled) == _sgd_losses(reference)
     _assert_same_state(model, reference)

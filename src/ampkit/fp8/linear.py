@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import autocast_output_dtype, capability, fp8_supported, to_dtype
-from .._torch_compat import AfterApply, is_compiling, scaled_mm, unsafe_view
+from .._torch_compat import AfterApply, graph_break, is_compiling, scaled_mm, unsafe_view
 from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
 from .checkpointed import checkpointed_scales
@@ -26,6 +26,12 @@ from .config import Float8Config, Recipe
 from .scaling import E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
+_HISTORIES_IN_COMPILE = (
+    "Float8Linear: the delayed recipe's amax histories of this meta-built layer are made, "
+    "as zeros on the weight's device, at its first forward (after load_state_dict(assign="
+    "True)), a step torch.compile(fullgraph=True) cannot trace; valid: one eager forward "
+    "first, model.to_empty(device=...) instead of an assigning load, or fullgraph=False "
+    "(one graph break, in the first call only)")
 _ROLE_NAMES = ("input", "weight", "grad_output")
 
 
@@ -257,7 +263,9 @@ class Float8Linear(AfterApply, nn.Linear):
     history in the second call's backward, so that one step's gradient is cast with
     scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
     the histories without updating them. A layer built on the meta device gets zero
-    histories on its weight's device, as one built there, at ``to_empty()``. Under eager
+    histories on its weight's device, as one built there: at ``to_empty()``, or at the
+    first forward after ``load_state_dict(..., assign=True)`` (under torch.compile one
+    graph break in that call; ``fullgraph=True`` raises, saying so). Under eager
     ``torch.utils.checkpoint`` (non-reentrant; torch 2.11 or newer) each recomputation
     casts by the scales its own forward used and records nothing, so a checkpointed run
     equals an unchecked one bitwise; reentrant checkpointing runs the forward without
@@ -315,8 +323,8 @@ class Float8Linear(AfterApply, nn.Linear):
             history = self._zero_history() if delayed else None
             self.register_buffer(f"amax_history_{name}", history, persistent=False)
         # Histories made on the meta device hold no values: to_empty() fills them with
-        # whatever memory it gets. They are made again, as zeros, where the weight is once
-        # it is on a real device.
+        # whatever memory it gets, an assigning load_state_dict leaves them on meta. They
+        # are made again, as zeros, where the weight is once it is on a real device.
         self._histories_pending = delayed and self.weight.device.type == "meta"
         self._delayed_started = False
         self._backend_device: Optional[torch.device] = None
@@ -345,7 +353,9 @@ class Float8Linear(AfterApply, nn.Linear):
         when this call made them.
 
         Called where the layer is first used on a real device: after a move (``to_empty``
-        of a meta-built model) and when its fp8 state is read or loaded.
+        of a meta-built model), at the forward (after ``load_state_dict(assign=True)``,
+        which moves no buffer), and when its fp8 state is read or loaded. The per-step
+        cost is the caller's check of one Python bool.
         """
         if not self._histories_pending or self.weight.device.type == "meta":
             return False
@@ -403,6 +413,10 @@ class Float8Linear(AfterApply, nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Float8Linear expected inputs with last dimension "
                              f"{self.in_features}, got shape {tuple(x.shape)}")
+        if self._histories_pending and self._make_pending_histories() and is_compiling():
+            # Dynamo makes the new histories in a graph of their own: made in the graph that
+            # updates them in place, AOTAutograd's partitioner fails (torch 2.13).
+            graph_break(_HISTORIES_IN_COMPILE)
         native = self._use_scaled_mm()
         if x.numel() == 0:  # no amax of an empty batch; nothing to multiply either
             dtype = autocast_output_dtype(x)
