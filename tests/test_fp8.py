@@ -110,6 +110,35 @@ def test_amax_to_scale_exact_values():
     assert rows.flatten().tolist() == [448.0, 1.0, 1.0] and rows.dtype == torch.float32
 
 
+def test_a_non_finite_amax_gives_a_nan_scale():
+    """NaN gave scale 1 (amax > 0 is False for NaN) and inf gave 0: finite scales that
+    cast the tensor's other values silently wrong."""
+    scales = amax_to_scale(torch.tensor([2.0, float("nan"), float("inf"), 0.0]), E5M2, margin=1)
+    assert scales[0].item() == 14336.0 and scales[1:3].isnan().all() and scales[3].item() == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_non_finite_input_is_never_cast_finite_but_wrong(recipe, bad):
+    """Every value that shares a scale with a non-finite one comes out NaN: the whole
+    output (tensorwise; delayed in its first step, scaled by the input's own amax), or its
+    row (rowwise), whose other rows are exactly those of the batch without it. Before, a
+    NaN gave the tensor scale 1 (these small inputs flushed to zero) and an inf scale 0."""
+    outputs = []
+    for value in (1.0, bad):
+        torch.manual_seed(0)
+        layer = Float8Linear(32, 32, config=Float8Config(recipe, emulate=True))
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 1e-3
+        x[0, 5] = value
+        with torch.no_grad():
+            outputs.append(layer(x))
+    clean, out = outputs
+    if recipe == "rowwise":
+        assert out[0].isnan().all() and torch.equal(out[1:], clean[1:])
+    else:
+        assert out.isnan().all()
+
+
 def test_compute_amax_per_tensor_row_and_column():
     x = torch.tensor([[1.0, -3.0], [2.0, 0.5]], dtype=torch.bfloat16)
     assert compute_amax(x).item() == 3.0 and compute_amax(x).dtype == torch.float32

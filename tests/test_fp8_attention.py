@@ -186,11 +186,19 @@ def test_activation_checkpointing():
         assert all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
 
 
-def test_non_finite_input_reaches_the_output():
-    q, k, v = qkv()
-    k[0, 1, 3, 5] = float("inf")
-    out = emulated(q, k, v)
-    assert out[0, 1].isnan().all() and out[1].isfinite().all()
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", [0, 1, 2], ids=["q", "k", "v"])
+def test_a_non_finite_value_makes_its_whole_head_nan(where, bad):
+    """The head's scale is NaN: a NaN in q gave scale 1 to the rest of its head (only its
+    own row came out NaN, the others cast silently wrong), an inf gave scale 0."""
+    tensors = qkv()
+    clean = emulated(*tensors)
+    tensors[where][0, 1, 3, 5] = bad
+    out = emulated(*tensors)
+    assert out[0, 1].isnan().all()
+    others = torch.ones(out.shape[:2], dtype=torch.bool)
+    others[0, 1] = False
+    assert torch.equal(out[others], clean[others])  # the other heads are cast as before
 
 
 def test_saves_fp8_operands_not_high_precision_copies():

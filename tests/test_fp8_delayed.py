@@ -331,3 +331,22 @@ def test_a_meta_built_model_after_an_assigning_load_compiles(monkeypatch):
     compiled = torch.compile(model, backend="aot_eager")
     assert _sgd_losses(compiled) == _sgd_losses(reference)
     _assert_same_state(model, reference)
+
+
+def test_a_non_finite_input_after_warm_up_leaves_the_other_rows_and_the_history_alone():
+    """A delayed scale comes from the history, not from this step's amax: only the values
+    that meet the NaN become NaN, and the NaN's amax does not enter the history (the
+    newest finite entry is repeated, so the next scales are those it would have had)."""
+    clean, layer = _layer(), _layer()
+    _train_step(clean, 0)
+    _train_step(layer, 0)
+    before = layer.amax_history_input.clone()
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
+    want = clean(x)
+    x[0, 5] = float("nan")
+    out = layer(x)
+    assert out[0].isnan().all() and torch.equal(out[1:], want[1:])
+    history = layer.amax_history_input
+    assert history[0] == before[0] and torch.equal(history[1:], before[:-1])
+    out.nan_to_num().sum().backward()
+    assert torch.isfinite(_train_step(layer, 2)).all()

@@ -255,7 +255,11 @@ class Float8Linear(AfterApply, nn.Linear):
             "rowwise").
 
     The output is in the autocast dtype inside an autocast region, else in the input's
-    dtype; gradients come back in the input's and the weight's dtypes. The delayed
+    dtype; gradients come back in the input's and the weight's dtypes. An inf or NaN in
+    an input or gradient makes NaN every value cast with its scale (the whole tensor; its
+    row or column under rowwise), never finite but wrong; under the delayed recipe, past
+    its first step, the scale comes from the history, so only the products that meet it
+    are NaN, and its amax does not enter the history. The delayed
     recipe keeps its amax histories in non-persistent buffers, so ``state_dict`` holds
     exactly nn.Linear's ``weight`` and ``bias``; ``fp8_state_dict`` saves them to resume
     exactly. Its first training forward scales by the tensors' own amax (the histories
