@@ -244,6 +244,20 @@ def test_check_fp8_attention_reasons():
     assert "shapes" in check_fp8_attention(q, k, v[:, :, :5])
 
 
+def test_check_fp8_attention_takes_the_arguments_of_torchs_function():
+    """is_causal and scale (which do not keep a call from fp8) were refused as unexpected
+    keywords, and a positional sixth argument was read as enable_gqa."""
+    q, k, v = qkv()
+    assert check_fp8_attention(q, k, v, is_causal=True, scale=0.3) is None
+    assert check_fp8_attention(q, k, v, None, 0.0, True, 0.3, False) is None
+    assert "heads" in check_fp8_attention(q, k[:, :2], v[:, :2], None, 0.0, True)  # gqa off
+    assert check_fp8_attention(q, k[:, :2], v[:, :2], None, 0.0, True, None, True) is None
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got int 1; valid: True, False"):
+        check_fp8_attention(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match=r"scale must be None or a float, got str 'a'; valid: None"):
+        check_fp8_attention(q, k, v, scale="a")
+
+
 @pytest.mark.parametrize("kwargs", [dict(attn_mask="mask"), dict(dropout_p=0.5), dict(dim=24)])
 def test_unsupported_call_runs_torch_attention_with_a_warning(kwargs):
     dim = kwargs.pop("dim", 32)

@@ -71,16 +71,32 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_fp8_attention(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor] = None,
-                        dropout_p: float = 0.0, enable_gqa: bool = False) -> Optional[str]:
+                        dropout_p: float = 0.0, is_causal: bool = False,
+                        scale: Optional[float] = None, enable_gqa: bool = False) -> Optional[str]:
     """Why this attention call cannot run in fp8 (None when it can).
+
+    Takes the arguments of ``F.scaled_dot_product_attention`` (and of
+    :func:`scaled_dot_product_attention`), in its order, so a call's arguments can be
+    checked as they are; ``is_causal`` and ``scale`` do not keep a call from fp8, and a
+    bad one raises the TypeError the attention function would.
 
     Example:
         >>> q = torch.randn(1, 2, 8, 24)
-        >>> check_fp8_attention(q, q, q)
+        >>> check_fp8_attention(q, q, q, is_causal=True)
         'head_dim 24 (valid: 32, 64, 128, 256)'
     """
+    _check_flags(is_causal, scale, enable_gqa)
     why = _why_not(query, key, value, attn_mask, dropout_p, enable_gqa)
     return None if why is None else why[1]
+
+
+def _check_flags(is_causal: Any, scale: Any, enable_gqa: Any) -> None:
+    """Raise TypeError for a non-bool flag or a scale that is not None or a real number."""
+    check_bool("is_causal", is_causal)
+    check_bool("enable_gqa", enable_gqa)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be None or a float, got {type(scale).__name__} {scale!r}; "
+                        "valid: None (1/sqrt(head_dim)) or a real number")
 
 
 def _why_not(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor], dropout_p: float,
@@ -309,10 +325,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         torch.float32
     """
     emulate = _check_emulate(emulate)
-    check_bool("is_causal", is_causal)
-    check_bool("enable_gqa", enable_gqa)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be None or a float, got {type(scale).__name__} {scale!r}")
+    _check_flags(is_causal, scale, enable_gqa)
     why = _why_not(query, key, value, attn_mask, dropout_p, enable_gqa)
     if why is not None:
         reason = why[1]
