@@ -71,21 +71,22 @@ def amax_to_scale(amax: Tensor, dtype: torch.dtype, margin: int = 0) -> Tensor:
     An amax of exactly zero (an all-zero tensor, or a delayed history that has seen
     nothing yet) gives scale 1: any scale represents zeros exactly, and 1 is the
     neutral start Transformer Engine uses too. A non-finite amax (an inf or NaN among
-    the values it was taken over) gives a NaN scale, so every value cast with it is NaN:
-    any finite scale would cast the other values silently wrong (scale 1 for a NaN
-    flushes small values to zero, scale 0 for an inf zeroes them all). Elementwise on
-    the scales only: no pass over the tensor, no host sync.
+    the values it was taken over) never gives a finite scale that would cast the other
+    values silently wrong (scale 1 for a NaN flushed small values to zero): a NaN amax
+    gives a NaN scale, an inf one scale 0, whose inverse (inf) makes every product it
+    dequantizes NaN. Either way every output that met the scale is NaN. Elementwise on
+    the scales only (no more ops than ``amax > 0`` took): no pass over the tensor, no
+    host sync.
 
     Example:
-        >>> amax_to_scale(torch.tensor([2.0, 0.0, float("nan")]), E4M3).tolist()
-        [224.0, 1.0, nan]
+        >>> amax_to_scale(torch.tensor([2.0, 0.0, float("nan"), float("inf")]), E4M3).tolist()
+        [224.0, 1.0, nan, 0.0]
     """
     amax = amax.float()
-    scale = fp8_max(dtype) / amax.clamp(min=AMAX_EPS)
+    scale = fp8_max(dtype) / amax.clamp(min=AMAX_EPS)  # (NaN stays NaN, inf gives 0)
     if margin:
         scale = scale / (2.0 ** margin)
-    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-    return torch.where(amax.isfinite(), scale, torch.full_like(scale, torch.nan))
+    return torch.where(amax == 0, 1.0, scale)
 
 
 def saturated_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
