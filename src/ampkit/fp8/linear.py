@@ -344,6 +344,9 @@ class Float8Linear(AfterApply, nn.Linear):
     # down in a 16-bit history would make the next scale too large and saturate, and one
     # above 65504 (a gradient under a loss scale) would become inf.
     FP32_BUFFERS = tuple(f"amax_history_{name}" for name in _ROLE_NAMES)
+    # Whether the histories were made on the meta device and wait to be made again (a
+    # class default: layers pickled before it had none).
+    _histories_pending = False
 
     def after_apply(self) -> None:
         # After .to()/.cuda()/.half()/.to_empty() (_torch_compat.AfterApply): decide the
