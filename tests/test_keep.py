@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -102,6 +103,7 @@ def test_patterns_types_and_callables_select_and_again_replaces():
     assert kept_names(model) == ["head"]
     ampkit.keep_fp32(model, [])
     assert kept_names(model) == [] and not model.head._forward_pre_hooks
+    assert not any("forward" in m.__dict__ for m in model.modules())  # the class's again
 
 
 def test_a_pattern_that_matches_nothing_names_real_modules():
@@ -172,6 +174,98 @@ def test_compiled_model_runs_kept_modules_in_fp32():
     with ampkit.autocast("cpu", dtype=BF16):
         out = compiled(x)
     assert out.dtype == F32 and torch.equal(out, eager)
+
+
+def _region_inside(model: nn.Module, region: str):
+    """``model(x)`` inside an autocast region written in the function (torch's or ampkit's)."""
+    make = torch.autocast if region == "torch" else ampkit.autocast
+
+    def step(x):
+        with make("cpu", dtype=BF16):
+            return model(x)
+    return step
+
+
+def _backward_autocast_off() -> contextlib.AbstractContextManager:
+    """The dynamo of torch 2.5 to 2.11 enters a ``with ampkit.autocast`` written inside a
+    compiled function eagerly (it cannot trace the switches), so the model compiles as
+    under a region outside it, whose backward torch reruns under the forward's autocast
+    (pytorch#179804): the kept modules' backward in half. The documented setting turns
+    that off; torch 2.13 traces the region and needs none."""
+    import torch._functorch.config as functorch_config
+    if not hasattr(functorch_config, "backward_pass_autocast"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(backward_pass_autocast="off")
+
+
+def _outputs_and_grads(step, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    out = step(x)
+    out.float().pow(2).sum().backward()
+    return [out] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("region, fullgraph", [("torch", True), ("torch", False),
+                                               ("ampkit", False)])
+def test_an_autocast_region_inside_a_compiled_function_runs_kept_modules_as_eagerly(
+        region, fullgraph):
+    """keep_fp32 switched autocast off in a pre-hook and on again in a forward hook; dynamo
+    could not reconcile that split region with a torch.autocast region of the compiled
+    function: torch 2.13 raised "Global autocast(cpu)_enabled state changed while dynamo
+    tracing" (fullgraph or not), 2.11 could not trace the switches (fullgraph raised)."""
+    eager, compiled = Net(), Net()
+    for model in (eager, compiled):
+        ampkit.keep_fp32(model, ["norm", "head"])
+    x = torch.randn(4, 16)
+    expected = _outputs_and_grads(_region_inside(eager, region), eager, x)
+    torch._dynamo.reset()
+    step = torch.compile(_region_inside(compiled, region), backend="aot_eager",
+                         fullgraph=fullgraph)
+    with _backward_autocast_off() if region == "ampkit" else contextlib.nullcontext():
+        got = _outputs_and_grads(step, compiled, x)
+    assert got[0].dtype == F32 and all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert torch.equal(step(x), expected[0])  # the cached graph too
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_compiled_model_with_kept_modules_is_one_graph_equal_to_eager(level):
+    """O1's forward region is torch.autocast in a with statement while dynamo traces, so
+    a compiled O1 model with kept modules failed as a region written inside did (torch
+    2.13: "Global autocast state changed while dynamo tracing"; 2.11: no single graph)."""
+    model = Net()
+    model = ampkit.initialize(model, opt_level=level, half_dtype=BF16, verbosity=0,
+                              keep_fp32=["norm", "head"])
+    x = torch.randn(4, 16)
+    expected = model(x)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+class _MatmulHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return torch.mm(x, self.weight)
+
+
+@pytest.mark.parametrize("region, fullgraph", [("torch", True), ("ampkit", False)])
+def test_a_registered_half_function_stays_off_in_a_kept_module_of_a_compiled_region(
+        region, fullgraph):
+    """The kept region pushed an ampkit frame while dynamo traced: with overrides registered
+    and not in place that broke the graph (fullgraph=True raised), and under a region
+    written inside the compiled function the kept module's mm came out in half."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _MatmulHead())
+    ampkit.keep_fp32(model, ["1"])
+    ampkit.register_half_function(torch, "mm")
+    step = _region_inside(model, region)
+    x = torch.randn(4, 16)
+    expected = step(x)
+    torch._dynamo.reset()
+    out = torch.compile(step, backend="aot_eager", fullgraph=fullgraph)(x)
+    assert expected.dtype == F32 and out.dtype == F32 and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("selector", ["", nn.Linear, lambda name, m: name == ""],

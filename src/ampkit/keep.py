@@ -7,21 +7,38 @@ them; ``ampkit.apply`` reads the selection). Outside an autocast region, where t
 model around them is half (O2/O3), their floating outputs go back to the half dtype
 their inputs had, so the half layers after them get what they expect.
 
-The selection lives on the model (one record, its hooks); calling ``keep_fp32`` again
-replaces it and ``[]`` clears it. Hooks are small classes, so the model still pickles.
+The selection lives on the model (one record, its hooks and forwards); calling
+``keep_fp32`` again replaces it and ``[]`` clears it. Hooks are small classes, so the
+model still pickles.
+
+Eagerly, a forward pre-hook turns autocast off and a forward hook turns it back on. While
+torch.compile traces, that split region is a ``with torch.autocast(device, enabled=False)``
+statement around the module's forward instead (``module.forward``, a wrapper installed
+with the hooks, which passes calls straight through eagerly): dynamo cannot reconcile
+switches set in one hook and undone in another with a ``torch.autocast`` region of the
+compiled function (torch 2.13: "Global autocast state changed while dynamo tracing"; 2.11:
+the switches are untraceable, so fullgraph=True raised and every call broke the graph),
+and every dynamo traces torch's own class in a with statement.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import threading
+import types
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+# Bound at import: code that sets ``torch.autocast = ampkit.autocast`` must not send the
+# compiled region back into ampkit's switches (see autocast.py).
+from torch.amp.autocast_mode import autocast as _TorchAutocast
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
+from ._torch_compat import is_compiling
 from .convert import conversion_of
 
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
@@ -30,16 +47,24 @@ _ATTR = "_ampkit_keep_fp32"
 
 
 class _Kept:
-    """The selection on one model: module names and the hooks that enforce them."""
+    """The selection on one model: module names, and the hooks and forwards that enforce
+    them."""
 
-    def __init__(self, names: list[str], handles: list[RemovableHandle]) -> None:
+    forwards: Sequence["_KeptForward"] = ()  # class default: records pickled before them
+
+    def __init__(self, names: list[str], handles: list[RemovableHandle],
+                 forwards: Sequence["_KeptForward"]) -> None:
         self.names = names
         self.handles = handles
+        self.forwards = forwards
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for forward in self.forwards:
+            forward.remove()
+        self.forwards = ()
 
 
 def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
@@ -182,14 +207,17 @@ def install(model: nn.Module, names: Iterable[str]) -> None:
     if not names:
         return
     handles: list[RemovableHandle] = []
+    forwards: list[_KeptForward] = []
     for name in names:
-        region = _Fp32Region()
+        region = _Fp32Region(traced_by_forward=True)
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(region.enter, with_kwargs=True,
                                                         prepend=True))
         handles.append(module.register_forward_hook(region.leave, prepend=True,
                                                     always_call=True))
-    setattr(model, _ATTR, _Kept(names, handles))
+        forwards.append(_KeptForward(module, module.__dict__.get("forward")))
+        module.forward = forwards[-1]  # type: ignore[method-assign]
+    setattr(model, _ATTR, _Kept(names, handles, forwards))
 
 
 def kept_names(model: nn.Module) -> list[str]:
@@ -204,22 +232,31 @@ def kept_modules(model: nn.Module) -> list[nn.Module]:
 
 
 class _Fp32Region:
-    """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion)."""
+    """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion).
 
-    def __init__(self) -> None:
+    ``traced_by_forward``: while dynamo traces, the module's :class:`_KeptForward` is the
+    region (False for a model pickled before it had one: the hooks stay the region).
+    """
+
+    def __init__(self, traced_by_forward: bool = False) -> None:
         self._local = threading.local()
+        self.traced_by_forward = traced_by_forward
 
     def __getstate__(self) -> dict:
-        return {}  # open regions belong to this process's threads
+        # Open regions belong to this process's threads.
+        return {"traced_by_forward": self.traced_by_forward}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(state.get("traced_by_forward", False))  # type: ignore[misc]
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         from .autocast import autocast  # autocast imports nothing of this module
 
         device = _device_type(module, args)
-        stack = self._local.__dict__.setdefault("stack", [])
+        # getattr, not ``__dict__.setdefault``: the dynamo of torch 2.11 traces only this.
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
         autocasting = has_autocast(device) and torch.is_autocast_enabled(device)
         # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype
         # (a half input given by keyword counts: ``block(hidden_states=h)``).
@@ -229,20 +266,126 @@ class _Fp32Region:
             # module's forward runs as it would without keep_fp32.
             stack.append((None, None))
             return args, kwargs
-        region = autocast(device, enabled=False)
-        region.__enter__()
+        region = None
+        if not (self.traced_by_forward and is_compiling()):
+            region = autocast(device, enabled=False)
+            region.__enter__()
         stack.append((region, restore))
         return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        stack = self._local.__dict__.get("stack")
+        stack = getattr(self._local, "stack", None)
         if not stack:
             return output
         region, restore = stack.pop()
-        if region is None:
-            return output
-        region.__exit__(None, None, None)
+        if region is not None:
+            region.__exit__(None, None, None)
         return output if restore is None else cast_tree(output, restore)
+
+
+class _KeptForward:
+    """``module.forward`` of a kept module: the forward it had, called as is eagerly (the
+    hooks of :class:`_Fp32Region` are the region); while dynamo traces, inside ``with
+    torch.autocast(device, enabled=False)`` where autocast is on (see the module docstring).
+
+    Shaped like a bound method (``__self__``, ``__func__``, ``__wrapped__`` for
+    ``inspect.signature``, ``__code__`` and ``__name__``), as ampkit's converted forward is.
+    It holds the module weakly (no reference cycle) and pickles and deep-copies with it.
+    """
+
+    def __init__(self, module: nn.Module, inner: Optional[Callable[..., Any]]) -> None:
+        self._module = weakref.ref(module)
+        self.inner = inner  # the module's own ``forward`` attribute before (None: its class's)
+        self.active = True  # False once removed while someone's wrapper holds it
+
+    def __getstate__(self) -> dict:
+        return {"module": self._module(), "inner": self.inner, "active": self.active}
+
+    def __setstate__(self, state: dict) -> None:
+        self._module = weakref.ref(state["module"])
+        self.inner, self.active = state["inner"], state["active"]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if is_compiling() and self.active:
+            return _traced_forward(self, module, args, kwargs)
+        # Eagerly the hooks are the region: one Python frame more per call, nothing else.
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+
+    def remove(self) -> None:
+        """Put back the forward the module had, unless someone wrapped this one since
+        (then it stays inside theirs and passes calls through)."""
+        self.active = False
+        module = self._module()
+        if module is None or module.__dict__.get("forward") is not self:
+            return
+        if self.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.forward = self.inner  # type: ignore[method-assign]
+
+    @property
+    def __self__(self) -> nn.Module:
+        module = self._module()
+        assert module is not None  # reached through the module, which is alive
+        return module
+
+    @property
+    def __func__(self) -> Callable[..., Any]:
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _kept_forward(self, module, args, kwargs)
+        return forward
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward inside."""
+        if self.inner is not None:
+            return self.inner
+        return types.MethodType(type(self.__self__).forward, self.__self__)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        return inspect.unwrap(self.__wrapped__).__code__
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.__wrapped__, "__name__", "forward")
+
+    def __repr__(self) -> str:
+        return f"<ampkit keep_fp32 forward of {type(self.__self__).__name__}>"
+
+
+def _kept_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What ``kept`` does for ``module`` (``kept.__func__``; ``kept()`` inlines it)."""
+    if is_compiling() and kept.active:
+        return _traced_forward(kept, module, args, kwargs)
+    return _inner_forward(kept, module, args, kwargs)
+
+
+def _inner_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    if kept.inner is not None:
+        return kept.inner(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _traced_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The forward while dynamo traces: autocast off in a with statement where it is on
+    (the pre-hook already cast the inputs), with the dtype the eager region sets.
+
+    No ampkit frame is pushed: registered overrides follow torch's switch (off here, as in
+    the eager region), and pushing one where overrides are registered but not in place
+    would break the graph (overrides.push_frame).
+    """
+    from .autocast import autocast  # autocast imports nothing of this module
+
+    device = _device_type(module, args)
+    if not (has_autocast(device) and torch.is_autocast_enabled(device)):
+        return _inner_forward(kept, module, args, kwargs)
+    dtype = autocast(device, enabled=False).fast_dtype  # what the eager region sets
+    with _TorchAutocast(device, dtype, enabled=False):
+        return _inner_forward(kept, module, args, kwargs)
 
 
 def _device_type(module: nn.Module, args: tuple) -> str:
