@@ -16,7 +16,7 @@ from torch import nn
 
 from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
                             convert_model, remove_conversion)
-from ampkit.autocast import region_runner
+from ampkit.autocast import region_factory
 from ampkit.master import master_of
 from ampkit.optim import attach_master_weights
 from conftest import DEVICES, HALF_DTYPES
@@ -115,7 +115,7 @@ def test_converted_forward_keeps_the_signature_a_forward_it_wrapped_and_a_later_
 
     model.forward = theirs
     casts = ForwardCasts(output_dtype=torch.float64,
-                         autocast=region_runner("cpu", torch.bfloat16))
+                         autocast=region_factory("cpu", torch.bfloat16))
     handle = convert_model(model, casts=casts)
     assert list(inspect.signature(model.forward).parameters) == ["x", "mask"]
     assert model(torch.ones(1, 2)).dtype == torch.float64 and calls == ["theirs"]
@@ -149,7 +149,7 @@ def test_autocast_region_entered_and_left_even_when_forward_raises(dtype):
 
     model = Probe()
     convert_model(model, casts=ForwardCasts(output_dtype=torch.float32,
-                                            autocast=region_runner("cpu", dtype)))
+                                            autocast=region_factory("cpu", dtype)))
     out = model(torch.ones(1, 2))
     assert model.inner == [True, dtype] and out.dtype == torch.float32
     assert not torch.is_autocast_enabled("cpu")
@@ -162,7 +162,7 @@ def test_autocast_region_entered_and_left_even_when_forward_raises(dtype):
 def test_autocast_region_nests_in_recursive_calls():
     inner = nn.Linear(2, 2)
     outer = nn.Sequential(inner)
-    region = ForwardCasts(autocast=region_runner("cpu", torch.bfloat16))
+    region = ForwardCasts(autocast=region_factory("cpu", torch.bfloat16))
     convert_model(inner, casts=region)
     convert_model(outer, casts=region)
     assert outer(torch.ones(1, 2)).dtype == torch.bfloat16
@@ -172,7 +172,7 @@ def test_autocast_region_nests_in_recursive_calls():
 def test_converting_again_replaces_the_earlier_hooks():
     model = _net()
     casts = ForwardCasts(torch.bfloat16, torch.float32,
-                         autocast=region_runner("cpu", torch.bfloat16))
+                         autocast=region_factory("cpu", torch.bfloat16))
     first = convert_model(model, param_dtype=torch.bfloat16, casts=casts)
     count = _hook_count(model)
     second = convert_model(model, param_dtype=torch.bfloat16, casts=casts)
@@ -348,7 +348,7 @@ def test_a_converted_model_is_freed_without_the_cycle_collector():
 def test_a_converted_model_exports():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     convert_model(model, casts=ForwardCasts(output_dtype=torch.float64,
-                                            autocast=region_runner("cpu", torch.bfloat16)))
+                                            autocast=region_factory("cpu", torch.bfloat16)))
     x = torch.randn(2, 4)
     exported = torch.export.export(model, (x,), strict=False)  # (strict: test_autocast.py)
     assert exported.module()(x).dtype == torch.float64

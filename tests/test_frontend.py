@@ -8,6 +8,8 @@ import logging
 import warnings
 import weakref
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -807,6 +809,21 @@ def test_a_compiled_model_is_one_graph_on_every_supported_torch(level):
         got = compiled(x)
         assert got.dtype is eager.dtype and torch.equal(got, eager)
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_an_o1_model_pickled_by_an_earlier_version_still_runs():
+    """tests/data/o1_bf16_model_343cdb7.pt: torch.save of an O1 (bf16) model by ampkit at
+    commit 343cdb7, whose converted forward stored a factory of autocast regions. A
+    change of that field's meaning made every forward of such a model raise TypeError."""
+    path = Path(__file__).parent / "data" / "o1_bf16_model_343cdb7.pt"
+    loaded = torch.load(path, weights_only=False)
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    initialize(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), opt_level="O1",
+               half_dtype=torch.bfloat16)
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    got, want = loaded(x), fresh(x)
+    assert got.dtype is want.dtype is F32 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])

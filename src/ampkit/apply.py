@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ._checks import as_list, check_bool, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
-from .autocast import region_runner
+from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from .master import MasterWeights, master_of, release_masters
@@ -303,7 +303,7 @@ def _seed_masters(masters: MasterWeights, earlier: dict[int, Tensor]) -> None:
 
 
 def _forward_casts(policy: Policy, device_type: str, explicit_outputs: bool) -> ForwardCasts:
-    region = region_runner(device_type, policy.compute_dtype) if policy.autocast else None
+    region = region_factory(device_type, policy.compute_dtype) if policy.autocast else None
     return ForwardCasts(input_dtype=policy.input_dtype,
                         output_dtype=policy.cast_outputs_to(explicit_outputs),
                         autocast=region)

@@ -217,6 +217,26 @@ class _Checked(autocast):
 
     __init__ = autocast._setup  # (device_type, dtype, enabled=True, cache_enabled=None)
 
+    def run(self, func: Callable[..., Any], *args: Any) -> Any:
+        """``func(*args)`` inside this region (entered here, left even if it raises).
+
+        While torch.compile traces, the region is a ``with torch.autocast(...)``
+        statement: the dynamo of torch 2.5 to 2.11 cannot trace the switches
+        ``__enter__`` sets (the graph broke at every call), and every dynamo traces
+        torch's own class in a with statement whole. Registered overrides still see the
+        region (its per-thread frame is pushed).
+        """
+        if not is_compiling():
+            with self:
+                return func(*args)
+        with _TorchAutocast(self.device_type, self.fast_dtype, self._enabled,
+                            self._cache_enabled):
+            overrides.push_frame(self.device_type, self.fast_dtype, self._enabled)
+            try:
+                return func(*args)
+            finally:
+                overrides.pop_frame()
+
 
 def region_factory(device_type: Optional[str] = None,
                    dtype: Optional[Union[torch.dtype, str]] = None) -> Callable[[], autocast]:
@@ -233,44 +253,11 @@ def region_factory(device_type: Optional[str] = None,
         >>> with make():
         ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
         torch.bfloat16
+        >>> make().run(torch.mm, torch.ones(2, 2), torch.ones(2, 2)).dtype  # traceable on 2.11
+        torch.bfloat16
     """
     device = _device_type(device_type)
     return functools.partial(_Checked, device, autocast._resolve_dtype(dtype, device))
-
-
-def region_runner(device_type: Optional[str] = None,
-                  dtype: Optional[Union[torch.dtype, str]] = None) -> Callable[..., Any]:
-    """``run(func, *args)``: ``func(*args)`` inside a fresh ``autocast(device_type, dtype)``
-    region, made by :func:`region_factory` (arguments checked here, once).
-
-    While torch.compile traces, the region is a ``with torch.autocast(...)`` statement
-    instead: the dynamo of torch 2.5 to 2.11 cannot trace the switches
-    ``autocast.__enter__`` sets (the graph broke at every call), and every dynamo traces
-    torch's own class in a with statement whole. Registered overrides still see the
-    region (its per-thread frame is pushed).
-
-    Example:
-        >>> run = region_runner("cpu", torch.bfloat16)
-        >>> run(torch.mm, torch.ones(2, 2), torch.ones(2, 2)).dtype
-        torch.bfloat16
-    """
-    return functools.partial(_run_in, region_factory(device_type, dtype))
-
-
-def _run_in(make: Callable[[], autocast], func: Callable[..., Any], *args: Any) -> Any:
-    """``func(*args)`` in a region from ``make`` (see :func:`region_runner`); a module-level
-    function, so that a converted model still pickles."""
-    region = make()
-    if not is_compiling():
-        with region:
-            return func(*args)
-    with _TorchAutocast(region.device_type, region.fast_dtype, region._enabled,
-                        region._cache_enabled):
-        overrides.push_frame(region.device_type, region.fast_dtype, region._enabled)
-        try:
-            return func(*args)
-        finally:
-            overrides.pop_frame()
 
 
 def _check_flags(enabled: Any, cache_enabled: Any) -> None:

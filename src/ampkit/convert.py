@@ -106,8 +106,8 @@ class ForwardCasts:
     Args:
         input_dtype: floating inputs are cast to this dtype (None: left as they are).
         output_dtype: floating outputs are cast to this dtype (None: left as they are).
-        autocast: ``run(func, *args)``, which calls ``func(*args)`` in the autocast region
-            forward runs in (:func:`ampkit.autocast.region_runner`; None: no region).
+        autocast: a factory of the autocast region forward runs in, whose regions
+            ``run(func, *args)`` (:func:`ampkit.autocast.region_factory`; None: no region).
     """
 
     input_dtype: Optional[torch.dtype] = None
@@ -249,7 +249,7 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     if casts.autocast is None:
         output = _inner_forward(module, inner, args, kwargs)
     else:
-        output = casts.autocast(_inner_forward, module, inner, args, kwargs)
+        output = casts.autocast().run(_inner_forward, module, inner, args, kwargs)
     dtype = casts.output_dtype
     if dtype is None:
         return output
