@@ -279,6 +279,40 @@ def test_load_state_dict_in_torchs_swap_mode_loads_the_masters():
     assert not torch.equal(trained, loaded["2.weight"])  # it trained
 
 
+def test_a_swap_mode_load_that_raises_leaves_every_master_linked():
+    """A load that raised after a module's pre-hook had set its params' masters aside
+    (for swap_tensors) left them unlinked: state_dict then saved the half params cast up
+    instead of the fp32 masters. They stay linked, and the next load puts them back."""
+    model, optimizer, masters = _o2_net()
+    with torch.no_grad():
+        masters.master_params[0].add_(1e-4)  # a value the half param cannot hold
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def refuse(*args):
+        raise RuntimeError("a hook of another library")
+
+    handle = model[2].register_load_state_dict_pre_hook(refuse)  # after 0's params
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match="another library"):
+            model.load_state_dict(saved)
+        assert [master_of(p) for p in (model[0].weight, model[2].weight)] == [
+            masters.master_params[0], masters.master_params[2]]
+        assert torch.equal(model.state_dict()["0.weight"], masters.master_params[0])
+        handle.remove()
+        model.load_state_dict(saved)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    masters.move_grads()
+    optimizer.step()
+    masters.copy_to_model()
+    assert torch.equal(model.state_dict()["2.weight"], masters.master_params[2])
+
+
 @pytest.mark.parametrize("masters", [True, False], ids=["O2", "O3"])
 def test_keep_vars_gives_variables_that_say_they_train_in_fp32(masters):
     """state_dict(keep_vars=True) gave detached masters (requires_grad False): the idiom

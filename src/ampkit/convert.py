@@ -402,4 +402,4 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    resume_after_swap([p for p in local_parameters(module).values() if p is not None])
+    resume_after_swap()

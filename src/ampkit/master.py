@@ -44,7 +44,7 @@ def master_of(param: Tensor) -> Optional[Tensor]:
     """The fp32 master of a half model parameter, or None when it has none."""
     entry = _REGISTRY.get(id(param))
     if entry is None or entry[0]() is not param:
-        return None
+        return _suspended(param)[0] if _SUSPENDED else None
     return entry[1]
 
 
@@ -58,7 +58,8 @@ def release_masters(params: Iterable[Tensor]) -> int:
     owners: dict[int, MasterWeights] = {}
     for param in params:
         entry = _REGISTRY.get(id(param))
-        owner = entry[2]() if entry is not None and entry[0]() is param else None
+        owner_ref = entry[2] if entry is not None and entry[0]() is param else _suspended(param)[1]
+        owner = owner_ref() if owner_ref is not None else None
         if owner is not None:
             owners[id(owner)] = owner
     for owner in owners.values():
@@ -72,8 +73,19 @@ def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
                       weakref.ref(owner))
 
 
-# Entries taken out of _REGISTRY while torch swaps their params (see suspend_for_swap).
+# Entries taken out of _REGISTRY while torch swaps their params (see suspend_for_swap):
+# id(param) -> (the param, its master, weak ref to the MasterWeights owning it). They are
+# still the params' masters (master_of, release_masters): a load that raised between a
+# module's pre-hook and the post-hooks leaves them here until the next load resumes them.
 _SUSPENDED: dict[int, tuple[Tensor, Tensor, weakref.ref]] = {}
+
+
+def _suspended(param: Tensor) -> tuple[Optional[Tensor], Optional[weakref.ref]]:
+    """(master, owner ref) of a suspended ``param``; (None, None) when it is not."""
+    entry = _SUSPENDED.get(id(param))
+    if entry is None or entry[0] is not param:
+        return None, None
+    return entry[1], entry[2]
 
 
 def suspend_for_swap(params: Iterable[Tensor]) -> None:
@@ -88,16 +100,19 @@ def suspend_for_swap(params: Iterable[Tensor]) -> None:
             _SUSPENDED[id(param)] = (param, entry[1], entry[2])
 
 
-def resume_after_swap(params: Iterable[Tensor]) -> None:
-    """Put back what :func:`suspend_for_swap` took out for ``params``."""
+def resume_after_swap() -> None:
+    """Put back everything :func:`suspend_for_swap` took out. Called by every load
+    post-hook: by then each suspended param's module has loaded (its own params are
+    swapped before its children load, its post-hooks run after them), and entries left
+    by a load that raised come back too."""
     if not _SUSPENDED:
         return  # every load but one in swap mode
-    for param in params:
-        entry = _SUSPENDED.pop(id(param), None)
-        if entry is not None and entry[0] is param:
-            owner = entry[2]()
-            if owner is not None:
-                _register(param, entry[1], owner)
+    entries = list(_SUSPENDED.values())
+    _SUSPENDED.clear()
+    for param, master, owner_ref in entries:
+        owner = owner_ref()
+        if owner is not None and not owner.released:
+            _register(param, master, owner)
 
 
 def new_master(param: Tensor) -> Tensor:
@@ -255,6 +270,8 @@ class MasterWeights:
             entry = _REGISTRY.get(id(param))
             if entry is not None and entry[2]() is self:
                 del _REGISTRY[id(param)]
+            if _SUSPENDED and _suspended(param)[1] is not None:
+                del _SUSPENDED[id(param)]
 
 
 # The move converts a device's half gradients in up to this many buckets, freeing each
