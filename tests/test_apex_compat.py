@@ -52,11 +52,18 @@ def test_amp_state_loss_scalers_read_and_write_the_scale_scale_loss_uses():
 
 
 @pytest.mark.parametrize("level,kw", [("O0", {}), ("O3", {}), ("O1", {"loss_scale": 128.0}),
-                                      ("O2", {"loss_scale": "128"})])
+                                      ("O2", {"loss_scale": "128"}), ("O2", {"loss_scale": 1.0})])
 def test_a_fixed_scale_counts_every_step_as_unskipped_as_apex_did(level, kw):
     """apex's LossScaler added 1 to _unskipped at every exit that updates, fixed scale or
-    dynamic; ampkit's stayed 0 under a fixed scale (its growth tracker never moves)."""
+    dynamic; ampkit's stayed 0 under a fixed scale (its growth tracker never moves).
+    apex's scale_loss returned before its update for a scale of 1.0 without masters
+    (O0, O3): counted there once the scale is another."""
     model, opt = _init(level, **kw)
+    if level in ("O0", "O3"):
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+        assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}
+        amp._amp_state.loss_scalers[0]._loss_scale = 128.0
     scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
     for _ in range(3):
         with amp.scale_loss(_loss(model), opt) as scaled:

@@ -38,8 +38,8 @@ class ActiveAmp:
         scale_windows: in a run of several processes, per loss id, the loss-scale updates
             that wait for the end of their accumulation window (see ``scale_loss``).
         fixed_unskipped: per loss id, under a fixed loss scale, the exits that would have
-            updated a dynamic one (apex's ``_unskipped``, which counted them all; a dynamic
-            scaler's count is its growth tracker). Filled by ``initialize``.
+            updated a dynamic one (apex's ``_unskipped``; a dynamic scaler's count is its
+            growth tracker, and this list is empty). Filled by ``initialize``.
     """
 
     device_type: str

@@ -86,7 +86,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     _state.set_active(_state.ActiveAmp(device_type, policy.half_dtype, policy=policy,
                                        scalers=application.scalers, log_level=log_level,
                                        scaling=policy.loss_scaling.kind != "none",
-                                       fixed_unskipped=[0] * len(application.scalers)))
+                                       fixed_unskipped=([] if policy.dynamic_loss_scale
+                                                        else [0] * len(application.scalers))))
     application.apply()
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",

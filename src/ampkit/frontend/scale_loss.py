@@ -136,8 +136,8 @@ class _ScaleLoss:
                 entry.restore()
             return False
         amp, stashes = self.amp, self.stashes
-        if not (amp.dynamic or self.delay_unscale or self.delay_overflow_check):
-            amp.fixed_unskipped[self.loss_id] += 1  # apex counted every step under a fixed scale
+        if amp.fixed_unskipped and not (self.delay_unscale or self.delay_overflow_check):
+            _count_fixed_step(amp, self.loss_id, stashes)
         if not amp.scaling:  # a fixed scale of 1.0: nothing to unscale or check
             for stash, entry in zip(stashes, held):
                 _take_grads(stash, entry, None, None, delay=True, several=self.several)
@@ -169,6 +169,14 @@ class _ScaleLoss:
         if amp.dynamic and not self.delay_overflow_check:
             update(amp, scaler, found_inf, self.opts, stashes, self.loss_id, window=window)
         return False
+
+
+def _count_fixed_step(amp: _state.ActiveAmp, loss_id: int, stashes: list[AmpStash]) -> None:
+    """apex's ``_unskipped += 1`` under a fixed scale: at every exit that updates, except
+    where apex's scale_loss returned before its update (a scale of 1.0 without masters:
+    O0 and O3 as initialized)."""
+    if amp.scaling or [stash for stash in stashes if stash.masters is not None]:
+        amp.fixed_unskipped[loss_id] += 1
 
 
 @dataclass(eq=False)

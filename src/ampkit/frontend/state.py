@@ -33,7 +33,7 @@ def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
 
     Exactly apex's format: ``loss_scale`` and ``unskipped`` (clean steps since the scale
     last changed, the growth tracker; under a fixed scale every step, as apex counted
-    them) are the whole of a loss scaler's evolving state, so
+    them, but for a scale of 1.0 without masters, O0 and O3 as initialized) are the whole of a loss scaler's evolving state, so
     a resumed run continues bitwise; the settings come from ``initialize``. Empty when not
     initialized or disabled. Syncs with the device.
 
@@ -54,7 +54,7 @@ def state_dict(destination: Optional[dict] = None) -> dict[str, dict[str, Any]]:
 def _unskipped(amp: _state.ActiveAmp, loss_id: int, full: dict[str, Any]) -> int:
     """apex's ``unskipped`` of loss scaler ``loss_id`` (``full``: its state dict): the
     growth tracker of a dynamic scaler, the count of clean steps under a fixed scale."""
-    if amp.dynamic:
+    if not amp.fixed_unskipped:
         return int(full["_growth_tracker"])
     return amp.fixed_unskipped[loss_id]
 
@@ -87,7 +87,8 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     for i, ((_, scaler), entry) in enumerate(zip(pairs, full)):
         scaler.load_state_dict(entry)
         _note_scale(amp, scaler.get_scale())
-        amp.fixed_unskipped[i] = entry["_growth_tracker"]
+        if amp.fixed_unskipped:
+            amp.fixed_unskipped[i] = int(entry["_growth_tracker"])
 
 
 def _note_scale(amp: _state.ActiveAmp, scale: float) -> None:
@@ -159,9 +160,10 @@ class _LossScaler:
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
-        value = check_int("_unskipped", value, 0)
+        value = int(check_int("_unskipped", value, 0))
         self._set(_growth_tracker=value)
-        self._amp.fixed_unskipped[self._loss_id] = value
+        if self._amp.fixed_unskipped:
+            self._amp.fixed_unskipped[self._loss_id] = value
 
     def _set(self, **entries: Any) -> None:
         state = self._scaler.state_dict()
