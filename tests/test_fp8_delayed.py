@@ -306,6 +306,24 @@ def test_a_meta_built_model_trains_bitwise_like_one_built_on_the_cpu(materialize
     _assert_same_state(model, reference)
 
 
+def test_a_trained_model_moved_to_meta_and_back_starts_afresh(monkeypatch):
+    """.to("meta") drops the histories' values as building on meta does; to_empty() then
+    gave them whatever memory it got (found by review). They start from zeros with a
+    fresh warm-up, as a model built from the same weights does."""
+    trained = convert_to_fp8(_stack(), recipe=DELAYED)
+    _sgd_losses(trained, steps=2)
+    weights = copy.deepcopy(trained.state_dict())
+    trained.to("meta")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty_like", _used_memory)
+        trained.to_empty(device="cpu")
+    trained.load_state_dict(weights)
+    fresh = convert_to_fp8(_stack(), recipe=DELAYED)
+    fresh.load_state_dict(weights)
+    assert _sgd_losses(trained) == _sgd_losses(fresh)
+    _assert_same_state(trained, fresh)
+
+
 def test_a_meta_built_model_loads_its_fp8_state_before_a_first_forward(monkeypatch):
     """Histories made at the first forward would overwrite a resumed state with zeros."""
     reference = convert_to_fp8(_stack(), recipe=DELAYED)

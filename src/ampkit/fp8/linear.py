@@ -352,6 +352,11 @@ class Float8Linear(AfterApply, nn.Linear):
         # After .to()/.cuda()/.half()/.to_empty() (_torch_compat.AfterApply): decide the
         # backend and make meta-built histories for the new device now, in eager code, so
         # a compiled forward only reads Python bools.
+        if self.config.recipe is Recipe.DELAYED and self.weight.device.type == "meta":
+            # Moved to meta (.to("meta")): the histories' values are gone, as a meta-built
+            # layer's; made again as zeros where the weight lands, with a fresh warm-up.
+            self._histories_pending = True
+            self._delayed_started = False
         self._make_pending_histories()
         self._resolve_backend()
 
