@@ -96,8 +96,8 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                        on_warning: Optional[Warn] = None,
                        on_start: Optional[Callable[[], None]] = None) -> dict[str, Any]:
     """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
-    ``on_start`` is called once rank 0 has read its data, model and checkpoint, before
-    its first epoch (an error the ranks find before then comes without it).
+    ``on_start`` is called once every rank has read its data, model and checkpoint,
+    before the first epoch (an error a rank finds before then comes without it).
 
     Raises:
         UsageError: before launching: ``--resume`` without a checkpoint of this run's
@@ -226,7 +226,8 @@ def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
                           rank, world)
     checkpoint = job["checkpoint"]
     start = _load(trainer, checkpoint) if job["resume"] else 0
-    _event(events, rank, "start", start)  # data, model and checkpoint read: the header
+    torch.distributed.barrier()  # every rank has its data, model and checkpoint:
+    _event(events, rank, "start", start)  # the header
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, None)
         trainer.history.append(record)

@@ -92,7 +92,7 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
            out: Any, on_start: Callable[[], None]) -> dict[str, Any]:
     """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun;
     ``on_start`` prints the header once nothing more is refused before training (in this
-    process: data and model loaded; with ranks: once rank 0 has its data, model and
+    process: data and model loaded; with ranks: once every rank has its data, model and
     checkpoint)."""
     from ..bench import report
     from ..bench.train import train
