@@ -180,12 +180,14 @@ def test_a_dead_rank_is_named_and_leaves_the_last_checkpoint_whole(tmp_path, cap
 
 _FAILING_IN_RANKS = """\
     import os
+    import time
 
     import torch
 
 
     def make():
         if os.environ.get("RANK") == "1":  # rank 1 only: the parent's checks, rank 0 pass
+            time.sleep(3)  # rank 0 is ready long before
             raise ValueError("no weights for this rank")
         return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
 """

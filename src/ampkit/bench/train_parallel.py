@@ -226,8 +226,9 @@ def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
                           rank, world)
     checkpoint = job["checkpoint"]
     start = _load(trainer, checkpoint) if job["resume"] else 0
-    torch.distributed.barrier()  # every rank has its data, model and checkpoint:
-    _event(events, rank, "start", start)  # the header
+    # Every rank has its data, model and checkpoint: DDP's construction (a broadcast from
+    # rank 0) and DCP's load wait for all of them. The header.
+    _event(events, rank, "start", start)
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, None)
         trainer.history.append(record)
