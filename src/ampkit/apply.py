@@ -125,7 +125,9 @@ def check_models(models: Any) -> list[nn.Module]:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise TypeError(f"models[{i}] is wrapped in {type(model).__name__}; pass the bare "
                             f"module (valid: a torch.nn.Module not wrapped in "
-                            f"DistributedDataParallel/DataParallel) and wrap it after initialize")
+                            f"DistributedDataParallel/DataParallel) and wrap it in "
+                            f"DistributedDataParallel after initialize (nn.DataParallel's "
+                            f"replicas are not supported)")
         if is_sharded(model):
             raise TypeError(f"models[{i}] ({type(model).__name__}) is already sharded (FSDP2 "
                             "fully_shard, DTensor parameters), which initialize cannot cast or "
