@@ -79,7 +79,7 @@ run_part() {  # name, timeout seconds, command...
 
 for part in "${parts[@]}"; do
     case $part in
-        tests) run_part tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+        tests) run_part tests 150 python3 -m pytest -m gpu -rfEs -p no:cacheprovider ;;
         autocast) run_part autocast 30 python3 benchmarks/bench_autocast.py --device cuda \
             --json "$out/bench_autocast.json" ;;
         scaler) run_part scaler 45 python3 benchmarks/bench_scaler.py --device cuda \
