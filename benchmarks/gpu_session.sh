@@ -46,6 +46,14 @@ mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests autocast scaler optlevels host fp8gemm fp8mlp bench)
+# Every name is checked before any part runs: a typo must not cost the parts before it.
+for part in "${parts[@]}"; do
+    case $part in
+        tests|autocast|scaler|optlevels|host|fp8gemm|fp8mlp|fp8|bench|fp8attn) ;;
+        *) echo "unknown part '$part'; valid: tests autocast scaler optlevels host fp8gemm" \
+               "fp8mlp bench fp8attn (fp8 = fp8gemm fp8mlp); nothing was run" >&2; exit 2 ;;
+    esac
+done
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -71,7 +79,7 @@ run_part() {  # name, timeout seconds, command...
 
 for part in "${parts[@]}"; do
     case $part in
-        tests) run_part tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider ;;
+        tests) run_part tests 150 python3 -m pytest -m gpu -rfEs -p no:cacheprovider ;;
         autocast) run_part autocast 30 python3 benchmarks/bench_autocast.py --device cuda \
             --json "$out/bench_autocast.json" ;;
         scaler) run_part scaler 45 python3 benchmarks/bench_scaler.py --device cuda \
@@ -92,7 +100,5 @@ for part in "${parts[@]}"; do
             --shapes gpt,long --iters 10 --emulate no --json "$out/bench_fp8_attention.json" ;;
         bench) run_part bench 90 python3 -m ampkit.cli bench --device cuda --quiet \
             --json "$out/bench_gpt.json" --plot "$out/bench_gpt.png" ;;
-        *) echo "unknown part '$part'; valid: tests autocast scaler optlevels host fp8gemm fp8mlp" \
-               "bench fp8attn (fp8 = fp8gemm fp8mlp)"; exit 2 ;;
     esac
 done
