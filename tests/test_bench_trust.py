@@ -224,6 +224,34 @@ def test_a_failing_policy_is_an_error_row_and_the_others_still_report(
         assert plot.stat().st_size > 0
 
 
+def test_an_interrupted_bench_writes_what_it_measured_and_exits_130(tmp_path, capsys,
+                                                                   monkeypatch):
+    """A time limit's SIGINT (gpu_session.sh runs each part under one) left no JSON and no
+    plot: the rounds run before it are reported, written and marked interrupted."""
+    from ampkit.bench import runner
+
+    original_step = runner.PolicyRun._step
+
+    def step(self):  # O2's 10th step: after 1 warm-up step and 4 rounds of 2, in the 5th
+        if self.label == "O2" and len(self.losses) == 9:
+            raise KeyboardInterrupt
+        return original_step(self)
+    monkeypatch.setattr(runner.PolicyRun, "_step", step)
+    path = tmp_path / "bench.json"
+    argv = ["bench", *TINY, "--policies", "32-true,bf16-mixed,O2", "--steps", "12",
+            "--max-time", "0", "--isolate", "never", "--threads", "1", "--json", str(path)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == "ampkit bench: interrupted"
+    doc = json.loads(path.read_text())
+    assert doc["interrupted"] is True and doc["verdict"][-1].startswith("Interrupted:")
+    assert [r["policy"] for r in doc["results"]] == ["32-true", "bf16-mixed", "O2"]
+    # The 5th round (the rotation's second turn: bf16-mixed, O2, 32-true) ended at O2.
+    assert [len(r["round_ms"]) for r in doc["results"]] == [4, 5, 4]
+    assert all(r["speedup"] is not None for r in doc["results"])
+    assert "Recommendation:" in captured.out
+
+
 def test_a_failing_reference_leaves_the_next_policy_as_the_reference(tmp_path, capsys,
                                                                         monkeypatch):
     _fail_policy(monkeypatch, "32-true", "build")

@@ -34,9 +34,9 @@ from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, tra
 from .guarded import Guarded, failed, guarded  # noqa: F401 - failed: re-exported
 from .workloads import Workload, get_workload
 
-__all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "failed", "max_loss_deviation",
-           "play_rounds", "recommend", "relative_loss_deviation", "run_bench", "run_policy",
-           "speedup_over", "stable", "summarise"]
+__all__ = ["BenchInterrupted", "BenchSettings", "PolicyRun", "Setup", "compare", "failed",
+           "max_loss_deviation", "play_rounds", "recommend", "relative_loss_deviation",
+           "run_bench", "run_policy", "speedup_over", "stable", "summarise"]
 
 OnStep = Callable[[int, int], None]
 # How a run's model and optimizer are made from the policy: Precision.setup by default;
@@ -250,12 +250,35 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
                        for spec, tick in zip(specs, ticks)]
         else:
             runs = _start(specs, settings, isolate, stack)
-            play_rounds(runs, settings, ticks)
+            try:
+                play_rounds(runs, settings, ticks)
+            except KeyboardInterrupt:
+                _interrupted(runs, isolate)
             results = [run.finish() for run in runs]
     if not any("error" not in r for r in results):
         raise RuntimeError("every policy failed: " + "; ".join(
             f"{r['policy']}: {r['error']}" for r in results))
     return compare(results)
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or a time limit's SIGINT) during the rounds of one process: ``results``
+    are :func:`compare`'s rows of the steps run so far."""
+
+    def __init__(self, results: list[dict[str, Any]]) -> None:
+        super().__init__("interrupted")
+        self.results = results
+
+
+def _interrupted(runs: list[Any], isolate: bool) -> None:
+    """Raise :class:`BenchInterrupted` with what the rounds measured so far; processes of
+    their own per policy got the signal too, so there the interrupt stays a plain one."""
+    if isolate:
+        raise KeyboardInterrupt
+    results = [run.finish() for run in runs]  # a policy without a timed step: an error row
+    if not any("error" not in r for r in results):
+        raise KeyboardInterrupt
+    raise BenchInterrupted(compare(results))
 
 
 def _start(specs: list[PolicySpec], settings: BenchSettings, isolate: bool,

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _measure as measure
     from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
-    from ..bench.runner import BenchSettings, failed, run_bench
+    from ..bench.runner import BenchInterrupted, BenchSettings, failed, run_bench
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)
@@ -115,11 +115,15 @@ def run(args: argparse.Namespace) -> int:
     isolate = {"always": True, "never": False, "auto": not cuda}[args.isolate]
     out = sys.stderr if args.json == "-" else sys.stdout
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
+    interrupted = False
     if plan is not None:  # N ranks under torchrun, each with one process for all policies
         isolate, results = False, parallel.run_parallel_bench(specs, settings, plan)
     else:
         with report.Progress(enabled=show) as progress:
-            results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
+            try:
+                results = run_bench(specs, settings, isolate=isolate, on_policy=progress.task)
+            except BenchInterrupted as stop:  # the steps run so far: reported, and exit 130
+                results, interrupted = stop.results, True
     machine["loadavg_1m_after"] = measure.machine_state(threads)["loadavg_1m"]
     # A policy that raised is an error row (runner.run_bench): the table, the sentences,
     # the plot and the recommendation are about the others; the JSON keeps every row.
@@ -136,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
         document["verdict"] += [f"{r['policy']} FAILED ({r['error']}): left out of the table, "
                                 f"the comparisons, the plot and the recommendation."
                                 for r in failures]
+    if interrupted:
+        document["interrupted"] = True
+        document["verdict"].append("Interrupted: these figures are from the steps run before "
+                                   "the interrupt.")
     if plan is not None:
         document.update(plan.fields())
         report.render_table(f"scaling: {plan.nproc} ranks, {plan.parallel.value}",
@@ -149,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot.write_bench_plot(dict(document, results=measured), args.plot)
         print(f"plot: {args.plot}", file=out)
+    if interrupted:
+        print("ampkit bench: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
