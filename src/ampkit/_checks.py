@@ -6,6 +6,7 @@ ValueError; both name the argument, the value and what is valid.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any, Optional
@@ -54,3 +55,24 @@ def as_list(value: Any, name: str, kind: type, kind_name: str) -> list:
             raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({item!r}), not a "
                             f"{kind_name}; valid: a {kind_name} or a list of them")
     return list(value)
+
+
+def callable_choices(obj: Any, name: str, obj_name: str) -> str:
+    """The valid choices for a missing attribute ``name`` of ``obj`` (named ``obj_name``):
+    its public callable attributes, all of them when few, else those closest to ``name``.
+
+    Example:
+        >>> import types
+        >>> callable_choices(types.SimpleNamespace(mm=len, bmm=len), "mn", "ns")
+        "valid: 'bmm', 'mm'"
+    """
+    names = sorted(attr for attr in dir(obj)
+                   if not attr.startswith("_") and callable(getattr(obj, attr, None)))
+    if not names:
+        return f"valid: the name of a callable attribute, and {obj_name} has none"
+    if len(names) <= 8:
+        return f"valid: {', '.join(map(repr, names))}"
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+    example = next((attr for attr in names if attr.islower()), names[0])
+    hint = f"closest: {', '.join(map(repr, close))}" if close else f"e.g. {example!r}"
+    return f"valid: one of its {len(names)} callable attributes ({hint})"

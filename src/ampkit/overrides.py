@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import enum
 import functools
 import threading
@@ -35,6 +34,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
+from ._checks import callable_choices
 from ._dtypes import cast_tree
 from ._torch_compat import get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling
 
@@ -344,7 +344,7 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
     original = getattr(module, name, None)
     if original is None:
         raise ValueError(f"{_module_name(module)} has no attribute {name!r} to register as a "
-                         f"{kind.value} function; {_valid_names(module, name)}")
+                         f"{kind.value} function; {callable_choices(module, name, _module_name(module))}")
     if not callable(original):
         raise ValueError(f"{_module_name(module)}.{name} is not callable (a {type(original).__name__})")
     key = (id(module), name)
@@ -364,21 +364,6 @@ def _register(module: Any, name: str, kind: CastKind) -> Registration:
         else:
             _sync_installed()
     return reg
-
-
-def _valid_names(module: Any, name: str) -> str:
-    """The valid choices for a missing ``name``: the callable attributes of ``module``
-    closest to it (all of them, when few)."""
-    names = sorted(attr for attr in dir(module)
-                   if not attr.startswith("_") and callable(getattr(module, attr, None)))
-    if not names:
-        return f"valid: the name of a callable attribute, and {_module_name(module)} has none"
-    if len(names) <= 8:
-        return f"valid: {', '.join(map(repr, names))}"
-    close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
-    example = next((attr for attr in names if attr.islower()), names[0])
-    hint = f"closest: {', '.join(map(repr, close))}" if close else f"e.g. {example!r}"
-    return f"valid: one of its {len(names)} callable attributes ({hint})"
 
 
 def _check_installable(reg: Registration) -> None:

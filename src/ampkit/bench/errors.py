@@ -1,4 +1,5 @@
-"""The one error a command raises for a bad value a user gave it.
+"""The one error a command raises for a bad value a user gave it, and the interrupt that
+carries what ``bench`` measured before it.
 
 ``ampkit`` exits with status 2 and prints the message on one line (no traceback) for a
 UsageError raised anywhere under a command: a bad option, model, policy, dataset, plot
@@ -17,3 +18,12 @@ class UsageError(ValueError):
         ...
         ampkit.bench.errors.UsageError: --steps must be at least 1, got 0
     """
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or a time limit's SIGINT) during ``bench``'s rounds in one process:
+    ``results`` are the compared rows of the steps run so far (``runner.run_bench``)."""
+
+    def __init__(self, results: list) -> None:
+        super().__init__("interrupted")
+        self.results = results

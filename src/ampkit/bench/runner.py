@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .._torch_compat import dynamo_reset
 from ..diagnose.flops import FlopCounter, low_precision_share
 from ..tune import choose
-from .errors import UsageError
+from .errors import BenchInterrupted, UsageError
 from .._measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
 from .policies import PolicySpec, loss_scaling_label
@@ -34,7 +34,7 @@ from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, tra
 from .guarded import Guarded, failed, guarded  # noqa: F401 - failed: re-exported
 from .workloads import Workload, get_workload
 
-__all__ = ["BenchInterrupted", "BenchSettings", "PolicyRun", "Setup", "compare", "failed",
+__all__ = ["BenchSettings", "PolicyRun", "Setup", "compare", "failed",
            "max_loss_deviation", "play_rounds", "recommend", "relative_loss_deviation",
            "run_bench", "run_policy", "speedup_over", "stable", "summarise"]
 
@@ -259,15 +259,6 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
         raise RuntimeError("every policy failed: " + "; ".join(
             f"{r['policy']}: {r['error']}" for r in results))
     return compare(results)
-
-
-class BenchInterrupted(KeyboardInterrupt):
-    """Ctrl-C (or a time limit's SIGINT) during the rounds of one process: ``results``
-    are :func:`compare`'s rows of the steps run so far."""
-
-    def __init__(self, results: list[dict[str, Any]]) -> None:
-        super().__init__("interrupted")
-        self.results = results
 
 
 def _interrupted(runs: list[Any], isolate: bool) -> None:

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from .. import _measure as measure
     from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
-    from ..bench.runner import BenchInterrupted, BenchSettings, failed, run_bench
+    from ..bench.errors import BenchInterrupted
+    from ..bench.runner import BenchSettings, failed, run_bench
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)

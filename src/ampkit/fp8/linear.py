@@ -12,7 +12,7 @@ The high-precision weight stays the nn.Parameter; fp8 copies live only inside a 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -23,16 +23,10 @@ from .._warn import warn_once
 from .allgather import Fp8GatheredWeight
 from .checkpointed import checkpointed_scales
 from .config import Float8Config, Recipe
+from .histories import HISTORIES_IN_COMPILE, ROLE_NAMES, DelayedHistories
 from .scaling import E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
-_HISTORIES_IN_COMPILE = (
-    "Float8Linear: the delayed recipe's amax histories of this meta-built layer are made, "
-    "as zeros on the weight's device, at its first forward (after load_state_dict(assign="
-    "True)), a step torch.compile(fullgraph=True) cannot trace; valid: one eager forward "
-    "first, model.to_empty(device=...) instead of an assigning load, or fullgraph=False "
-    "(one graph break, in the first call only)")
-_ROLE_NAMES = ("input", "weight", "grad_output")
 
 
 def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
@@ -217,24 +211,6 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
-def _check_history(value: Any, like: Tensor, where: str) -> None:
-    """Raise unless ``value`` could be an amax history like ``like``."""
-    valid = (f"valid: a {like.dtype} tensor of shape {tuple(like.shape)} (amax_history_len="
-             f"{like.numel()}) of finite values >= 0")
-    if not torch.is_tensor(value):
-        raise TypeError(f"{where} must be a tensor, got {type(value).__name__} {value!r}; {valid}")
-    if value.shape != like.shape or value.dtype != like.dtype:
-        raise ValueError(f"{where} is a {value.dtype} tensor of shape {tuple(value.shape)}; {valid}")
-    if value.device.type == "meta" or value.is_sparse:
-        raise TypeError(f"{where} is a {value.layout} tensor on {value.device} (no values to "
-                        f"load); {valid}")
-    # A NaN or negative amax would give every later cast a NaN or negative scale.
-    bad = (~value.isfinite() | (value < 0)).nonzero()  # one host sync, when loading only
-    if len(bad):
-        index = int(bad[0, 0])
-        raise ValueError(f"{where} has {value[index].item()} at index {index}; {valid}")
-
-
 def _warn_emulation_once(device: torch.device) -> None:
     if device.type == "meta":
         return
@@ -245,7 +221,7 @@ def _warn_emulation_once(device: torch.device) -> None:
               "to silence this.")
 
 
-class Float8Linear(AfterApply, nn.Linear):
+class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     """An nn.Linear whose forward and backward matmuls run in fp8.
 
     Args:
@@ -323,58 +299,25 @@ class Float8Linear(AfterApply, nn.Linear):
     def _reset_fp8_state(self) -> None:
         """(Re)create the delayed histories on the weight's device; forget the backend."""
         delayed = self.config.recipe is Recipe.DELAYED
-        for name in _ROLE_NAMES:
+        for name in ROLE_NAMES:
             history = self._zero_history() if delayed else None
             self.register_buffer(f"amax_history_{name}", history, persistent=False)
-        # Histories made on the meta device hold no values: to_empty() fills them with
-        # whatever memory it gets, an assigning load_state_dict leaves them on meta. They
-        # are made again, as zeros, where the weight is once it is on a real device.
-        self._histories_pending = delayed and self.weight.device.type == "meta"
+        self._histories_pending = delayed and self.weight.device.type == "meta"  # (histories.py)
         self._delayed_started = False
         self._backend_device: Optional[torch.device] = None
         self._native = False
         self._resolve_backend()
 
-    def _zero_history(self) -> Tensor:
-        # A plain tensor also where the weight is an FSDP2 DTensor (its device: its shard's).
-        return torch.zeros(self.config.amax_history_len, dtype=torch.float32,
-                           device=self.weight.device)
-
     # .half()/.to(bf16) and initialize's cast leave them fp32 and exact: an amax rounded
     # down in a 16-bit history would make the next scale too large and saturate, and one
     # above 65504 (a gradient under a loss scale) would become inf.
-    FP32_BUFFERS = tuple(f"amax_history_{name}" for name in _ROLE_NAMES)
-    # Whether the histories were made on the meta device and wait to be made again (a
-    # class default: layers pickled before it had none).
-    _histories_pending = False
-
+    FP32_BUFFERS = tuple(f"amax_history_{name}" for name in ROLE_NAMES)
     def after_apply(self) -> None:
         # After .to()/.cuda()/.half()/.to_empty() (_torch_compat.AfterApply): decide the
         # backend and make meta-built histories for the new device now, in eager code, so
         # a compiled forward only reads Python bools.
-        if self.config.recipe is Recipe.DELAYED and self.weight.device.type == "meta":
-            # Moved to meta (.to("meta")): the histories' values are gone, as a meta-built
-            # layer's; made again as zeros where the weight lands, with a fresh warm-up.
-            self._histories_pending = True
-            self._delayed_started = False
-        self._make_pending_histories()
+        self._histories_moved()
         self._resolve_backend()
-
-    def _make_pending_histories(self) -> bool:
-        """Zero histories on the weight's device, once, for histories made on meta; True
-        when this call made them.
-
-        Called where the layer is first used on a real device: after a move (``to_empty``
-        of a meta-built model), at the forward (after ``load_state_dict(assign=True)``,
-        which moves no buffer), and when its fp8 state is read or loaded. The per-step
-        cost is the caller's check of one Python bool.
-        """
-        if not self._histories_pending or self.weight.device.type == "meta":
-            return False
-        for name in _ROLE_NAMES:
-            setattr(self, f"amax_history_{name}", self._zero_history())
-        self._histories_pending = False
-        return True
 
     def _resolve_backend(self) -> bool:
         """Whether this layer calls torch._scaled_mm: decided once per weight device."""
@@ -428,7 +371,7 @@ class Float8Linear(AfterApply, nn.Linear):
         if self._histories_pending and self._make_pending_histories() and is_compiling():
             # Dynamo makes the new histories in a graph of their own: made in the graph that
             # updates them in place, AOTAutograd's partitioner fails (torch 2.13).
-            graph_break(_HISTORIES_IN_COMPILE)
+            graph_break(HISTORIES_IN_COMPILE)
         native = self._use_scaled_mm()
         if x.numel() == 0:  # no amax of an empty batch; nothing to multiply either
             dtype = autocast_output_dtype(x)
@@ -445,41 +388,6 @@ class Float8Linear(AfterApply, nn.Linear):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
-
-    def fp8_state_dict(self) -> dict[str, Any]:
-        """The delayed recipe's amax histories and warm-up flag (empty for other recipes)."""
-        if self.config.recipe is not Recipe.DELAYED:
-            return {}
-        self._make_pending_histories()
-        state: dict[str, Any] = {"started": self._delayed_started}
-        for name in _ROLE_NAMES:
-            state[f"amax_history_{name}"] = getattr(self, f"amax_history_{name}").detach().clone()
-        return state
-
-    def check_fp8_state_dict(self, state: dict[str, Any], *,
-                             where: str = "Float8Linear fp8 state") -> None:
-        """Raise ValueError/TypeError unless ``state`` is what :meth:`fp8_state_dict` gives
-        here; ``where`` names ``state`` in the message."""
-        expected = self.fp8_state_dict()
-        if not isinstance(state, dict) or set(state) != set(expected):
-            got = sorted(state, key=str) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{where} has keys {got}; valid: {sorted(expected)}")
-        for key, value in expected.items():
-            if torch.is_tensor(value):
-                _check_history(state[key], value, f"{where}[{key!r}]")
-            elif not isinstance(state[key], bool):
-                raise TypeError(f"{where}[{key!r}] must be True or False, got "
-                                f"{type(state[key]).__name__} {state[key]!r}; valid: True, False")
-
-    @torch.no_grad()
-    def load_fp8_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the delayed recipe's histories and warm-up flag."""
-        self.check_fp8_state_dict(state)
-        if self.config.recipe is not Recipe.DELAYED:
-            return
-        self._delayed_started = state["started"]
-        for name in _ROLE_NAMES:
-            getattr(self, f"amax_history_{name}").copy_(state[f"amax_history_{name}"])
 
     def extra_repr(self) -> str:
         grad = "e4m3" if self.config.recipe is Recipe.ROWWISE else "e5m2"
