@@ -309,10 +309,7 @@ class _KeptForward:
         module = self._module()
         if is_compiling() and self.active:
             return _traced_forward(self, module, args, kwargs)
-        # Eagerly the hooks are the region: one Python frame more per call, nothing else.
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(module).forward(module, *args, **kwargs)
+        return _inner_forward(self, module, args, kwargs)  # eagerly the hooks are the region
 
     def remove(self) -> None:
         """Put back the forward the module had, unless someone wrapped this one since
