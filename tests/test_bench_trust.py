@@ -158,6 +158,7 @@ def test_bench_recommends_by_the_rule_on_what_it_measured(tmp_path, capsys):
     assert max(len(line) for line in table) <= 80, table
 
 
+@pytest.mark.slow  # a process per candidate: 12 s; CI's slow run keeps it
 def test_bench_auto_runs_the_autotune_candidates_in_their_own_processes(tmp_path, capsys):
     doc, _ = _bench(tmp_path, capsys, "--policies", "auto", "--steps", "2", "--max-time", "0")
     assert doc["settings"]["policies"] == list(device_policies("cpu").candidates)

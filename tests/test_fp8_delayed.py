@@ -334,6 +334,7 @@ def test_a_meta_built_model_loads_its_fp8_state_before_a_first_forward(monkeypat
     _assert_same_state(model, reference)
 
 
+@pytest.mark.slow  # two compiles: 10 s; CI's slow run keeps it
 def test_a_meta_built_model_after_an_assigning_load_compiles(monkeypatch):
     """The histories are made in eager code (one graph break, in the first call only);
     with fullgraph=True the error says why and what to do."""
