@@ -266,7 +266,41 @@ def _inner_forward(module: nn.Module, inner: Optional[Callable[..., Any]], args:
     return type(module).forward(module, *args, **kwargs)
 
 
-class _ConvertedForward:
+class BoundForward:
+    """A forward installed as ``module.forward``, shaped like a bound method of the module
+    it holds weakly (``_module``): ``__self__``, ``__wrapped__`` (the forward inside, for
+    ``inspect.signature``), ``__code__`` and ``__name__`` (torch.export reads them).
+    Subclasses give ``_inner()``, the module's own forward attribute before (None: its
+    class's), and ``__func__``."""
+
+    _module: "weakref.ref[nn.Module]"
+
+    def _inner(self) -> Optional[Callable[..., Any]]:
+        return None
+
+    @property
+    def __self__(self) -> nn.Module:
+        module = self._module()
+        assert module is not None  # reached through the module, which is alive
+        return module
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward inside."""
+        inner = self._inner()
+        return inner if inner is not None else types.MethodType(type(self.__self__).forward,
+                                                                self.__self__)
+
+    @property
+    def __code__(self) -> types.CodeType:
+        return inspect.unwrap(self.__wrapped__).__code__
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.__wrapped__, "__name__", "forward")
+
+
+class _ConvertedForward(BoundForward):
     """``model.forward`` while a conversion is installed: :func:`converted_forward` of
     that conversion, bound to the model.
 
@@ -292,11 +326,8 @@ class _ConvertedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return converted_forward(self.handle, self._module(), *args, **kwargs)
 
-    @property
-    def __self__(self) -> nn.Module:
-        module = self._module()
-        assert module is not None  # reached through the model, which is alive
-        return module
+    def _inner(self) -> Optional[Callable[..., Any]]:
+        return self.handle.inner_forward
 
     @property
     def __func__(self) -> Callable[..., Any]:
@@ -305,21 +336,6 @@ class _ConvertedForward:
         def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return converted_forward(handle, module, *args, **kwargs)
         return forward
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        """The forward inside."""
-        inner = self.handle.inner_forward
-        return inner if inner is not None else types.MethodType(type(self.__self__).forward,
-                                                                self.__self__)
-
-    @property
-    def __code__(self) -> types.CodeType:
-        return inspect.unwrap(self.__wrapped__).__code__
-
-    @property
-    def __name__(self) -> str:
-        return getattr(self.__wrapped__, "__name__", "forward")
 
     def __repr__(self) -> str:
         return f"<ampkit converted forward of {type(self.__self__).__name__}>"

@@ -24,9 +24,7 @@ and every dynamo traces torch's own class in a with statement.
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import threading
-import types
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -39,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
 from ._torch_compat import is_compiling
-from .convert import conversion_of
+from .convert import BoundForward, conversion_of
 
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
 Modules = Union[Selector, Sequence[Selector]]
@@ -283,13 +281,13 @@ class _Fp32Region:
         return output if restore is None else cast_tree(output, restore)
 
 
-class _KeptForward:
+class _KeptForward(BoundForward):
     """``module.forward`` of a kept module: the forward it had, called as is eagerly (the
     hooks of :class:`_Fp32Region` are the region); while dynamo traces, inside ``with
     torch.autocast(device, enabled=False)`` where autocast is on (see the module docstring).
 
-    Shaped like a bound method (``__self__``, ``__func__``, ``__wrapped__`` for
-    ``inspect.signature``, ``__code__`` and ``__name__``), as ampkit's converted forward is.
+    Shaped like a bound method (:class:`ampkit.convert.BoundForward`), as ampkit's
+    converted forward is.
     It holds the module weakly (no reference cycle) and pickles and deep-copies with it.
     """
 
@@ -323,32 +321,14 @@ class _KeptForward:
         else:
             module.forward = self.inner  # type: ignore[method-assign]
 
-    @property
-    def __self__(self) -> nn.Module:
-        module = self._module()
-        assert module is not None  # reached through the module, which is alive
-        return module
+    def _inner(self) -> Optional[Callable[..., Any]]:
+        return self.inner
 
     @property
     def __func__(self) -> Callable[..., Any]:
         def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return _kept_forward(self, module, args, kwargs)
         return forward
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        """The forward inside."""
-        if self.inner is not None:
-            return self.inner
-        return types.MethodType(type(self.__self__).forward, self.__self__)
-
-    @property
-    def __code__(self) -> types.CodeType:
-        return inspect.unwrap(self.__wrapped__).__code__
-
-    @property
-    def __name__(self) -> str:
-        return getattr(self.__wrapped__, "__name__", "forward")
 
     def __repr__(self) -> str:
         return f"<ampkit keep_fp32 forward of {type(self.__self__).__name__}>"
