@@ -253,6 +253,38 @@ def test_an_interrupted_bench_writes_what_it_measured_and_exits_130(tmp_path, ca
     assert "Recommendation:" in captured.out
 
 
+@pytest.mark.slow  # a worker process imports torch and ampkit: 6 s
+def test_an_interrupted_bench_with_a_process_per_policy_writes_what_it_measured(
+        tmp_path, capsys, monkeypatch):
+    """With a process per policy (the CPU default) an interrupt wrote nothing: the parent
+    now collects each worker's rounds, the one it was waiting for included."""
+    from ampkit.bench import worker
+
+    original_expect, interrupts = worker.Worker._expect, []
+
+    def expect(self, kind):  # the signal comes while the parent waits for bf16's 3rd round
+        if kind == "times" and self.label == "bf16-mixed" and len(self.round_ms) == 2 \
+                and not interrupts:
+            interrupts.append(kind)
+            raise KeyboardInterrupt
+        return original_expect(self, kind)
+    monkeypatch.setattr(worker.Worker, "_expect", expect)
+    path = tmp_path / "bench.json"
+    argv = ["bench", *TINY, "--policies", "32-true,bf16-mixed", "--steps", "12",
+            "--max-time", "0", "--isolate", "always", "--threads", "1", "--json", str(path)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == "ampkit bench: interrupted"
+    doc = json.loads(path.read_text())
+    assert interrupts == ["times"] and doc["interrupted"] is True
+    assert doc["settings"]["process_per_policy"] is True
+    # Rounds 1-3 each ran both policies; the worker finished the round it was asked for.
+    assert [len(r["round_ms"]) for r in doc["results"]] == [3, 3]
+    assert all(r["memory_method"].endswith("in a process of its own per policy")
+               for r in doc["results"])
+    assert "Recommendation:" in captured.out
+
+
 def test_a_failing_reference_leaves_the_next_policy_as_the_reference(tmp_path, capsys,
                                                                         monkeypatch):
     _fail_policy(monkeypatch, "32-true", "build")

@@ -21,7 +21,7 @@ class UsageError(ValueError):
 
 
 class BenchInterrupted(KeyboardInterrupt):
-    """Ctrl-C (or a time limit's SIGINT) during ``bench``'s rounds in one process:
+    """Ctrl-C (or a time limit's SIGINT) during ``bench``'s rounds:
     ``results`` are the compared rows of the steps run so far (``runner.run_bench``)."""
 
     def __init__(self, results: list) -> None:

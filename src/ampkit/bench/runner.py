@@ -253,7 +253,7 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
             try:
                 play_rounds(runs, settings, ticks)
             except KeyboardInterrupt:
-                _interrupted(runs, isolate)
+                _interrupted(runs)
             results = [run.finish() for run in runs]
     if not any("error" not in r for r in results):
         raise RuntimeError("every policy failed: " + "; ".join(
@@ -261,11 +261,10 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
     return compare(results)
 
 
-def _interrupted(runs: list[Any], isolate: bool) -> None:
-    """Raise :class:`BenchInterrupted` with what the rounds measured so far; processes of
-    their own per policy got the signal too, so there the interrupt stays a plain one."""
-    if isolate:
-        raise KeyboardInterrupt
+def _interrupted(runs: list[Any]) -> None:
+    """Raise :class:`BenchInterrupted` with what the rounds measured so far. A process of
+    its own per policy is in a session of its own (``worker``): the interrupt reached only
+    this one, and each worker still answers ``finish``."""
     results = [run.finish() for run in runs]  # a policy without a timed step: an error row
     if not any("error" not in r for r in results):
         raise KeyboardInterrupt

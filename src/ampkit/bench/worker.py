@@ -37,6 +37,7 @@ from .policies import PolicySpec, parse_policy
 from .runner import BenchSettings, PolicyRun
 
 CAN_FORK = hasattr(os, "fork")
+_ANSWERS = {"warmup": "warm", "run": "times", "finish": "result"}
 _EXIT_WAIT_S = 30  # the forking process exits once its workers have
 
 
@@ -56,6 +57,7 @@ class Worker:
                  fallback: IO[str]) -> None:
         self.label = label
         self.round_ms: list[float] = []
+        self._pending: Optional[str] = None  # the answer a command sent is still owed
         self._commands = os.fdopen(commands, "w")
         self._answers = os.fdopen(answers, "r")
         self._log, self._fallback = log, fallback
@@ -74,10 +76,18 @@ class Worker:
         return times
 
     def finish(self) -> dict[str, Any]:
+        self.settle()
         self._send("finish")
         result = json.loads(self._expect("result"))
         result["memory_method"] += ", in a process of its own per policy"
         return result
+
+    def settle(self) -> None:
+        """Read the answer still owed when an interrupt stopped the parent waiting for it:
+        the worker, in a session of its own, did not get the interrupt and finished the
+        command. Its round counts in the worker's result, as every round it completed."""
+        if self._pending is not None:
+            self._expect(self._pending)
 
     def close(self) -> None:
         for stream in (self._commands, self._answers, self._log):
@@ -90,9 +100,11 @@ class Worker:
             self._commands.flush()
         except OSError:
             self._fail()
+        self._pending = _ANSWERS[command.partition(" ")[0]]
 
     def _expect(self, kind: str) -> str:
         line = self._answers.readline()
+        self._pending = None
         got, _, payload = line.rstrip("\n").partition(" ")
         if got == "error":
             raise UsageError(payload.strip())
