@@ -353,6 +353,31 @@ def test_bad_arguments_raise_naming_the_value_and_the_choices(kwargs, error, mat
         inspect(nn.Linear(4, 2), X, **kwargs)
 
 
+def test_a_loss_with_many_elements_is_named_by_its_shape_not_printed():
+    """The message printed the whole loss tensor (a batch's worth of numbers)."""
+    with pytest.raises(ValueError) as info:
+        inspect(nn.Linear(4, 2), X, loss_fn=lambda out, target: out * 1000.0)
+    message = str(info.value)
+    assert message.startswith("the loss must be a tensor with one element, got a tensor of "
+                              f"shape {(X.shape[0], 2)}; valid: a scalar loss")
+    assert "tensor(" not in message and "1000" not in message
+
+
+@pytest.mark.parametrize("limit, error, match", [
+    (-1, ValueError, r"limit must be an int >= 0, got -1"),
+    ("x", TypeError, r"limit must be an int >= 0, got str 'x'"),
+    (1.5, TypeError, r"limit must be an int >= 0, got float 1.5"),
+])
+def test_a_bad_table_limit_is_refused_naming_it(limit, error, match):
+    """limit=-1 silently dropped the last module; "x" raised a bare slice TypeError."""
+    report = inspect(overflow_model(), X, policy="16-mixed")
+    with pytest.raises(error, match=match):
+        report.table(limit=limit)
+    with pytest.raises(error, match=match):
+        report.worst(limit)
+    assert len(report.worst(0)) == 0 and len(report.worst(1)) == 1
+
+
 def test_a_half_or_initialized_model_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"'weight' is torch.float16.*fp32 model"):
         inspect(nn.Linear(4, 2).half(), X)

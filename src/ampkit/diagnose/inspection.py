@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import reprlib
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -248,7 +249,9 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
 def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
     loss = (setup.loss_fn or default_loss)(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise ValueError(f"the loss must be a tensor with one element, got {loss!r}; valid: "
+        got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else
+               f"{type(loss).__name__} {reprlib.repr(loss)}")
+        raise ValueError(f"the loss must be a tensor with one element, got {got}; valid: "
                          "a scalar loss (reduce it, e.g. .mean())")
     return loss
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._checks import check_int
 from .flops import low_precision_share
 
 
@@ -114,14 +115,16 @@ class Report:
                 "advice": list(self.advice), "modules": [m.to_dict() for m in self.modules]}
 
     def worst(self, limit: Optional[int] = None) -> list[ModuleStats]:
-        """The modules sorted worst first (see :func:`severity`), at most ``limit``."""
+        """The modules sorted worst first (see :func:`severity`), at most ``limit`` (an
+        int >= 0; None: all)."""
+        limit = None if limit is None else check_int("limit", limit, 0)
         ranked = sorted(self.modules, key=severity)
         return ranked if limit is None else ranked[:limit]
 
     def table(self, limit: Optional[int] = None) -> str:
         """The report as text: a summary, the module table (worst first), the advice."""
-        lines = _summary(self)
-        lines += _module_table(self.worst(limit))
+        worst = self.worst(limit)  # checks limit first
+        lines = _summary(self) + _module_table(worst)
         if limit is not None and limit < len(self.modules):
             lines.append(f"(+{len(self.modules) - limit} more in to_dict())")
         lines += ["", "Advice:"] + [f"- {sentence}" for sentence in self.advice]
