@@ -203,6 +203,87 @@ def test_lbfgs_under_o2_evaluates_its_closure_at_the_current_masters():
     assert ((model(x).float() - y) ** 2).mean().item() < 1e-3 < seen[0]
 
 
+def _closure_setup(level, make_optimizer, dtype=torch.float16):
+    import ampkit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = make_optimizer(model.parameters())
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level=level, half_dtype=dtype,
+                                         verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    return model, optimizer, torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    lambda params: torch.optim.Adam(params, lr=1e-2),
+], ids=["sgd", "adam"])
+def test_a_closure_with_a_plain_backward_trains_under_o2_as_a_step_without_one(make_optimizer):
+    """The grads a closure's plain backward() left on the half model never reached the
+    masters: O2 step(closure) trained nothing, silently."""
+    runs = []
+    for use_closure in (False, True):
+        model, optimizer, x, y = _closure_setup("O2", make_optimizer, torch.bfloat16)
+        losses = []
+
+        def closure():
+            optimizer.zero_grad()
+            loss = ((model(x).float() - y) ** 2).mean()
+            loss.backward()
+            return loss
+        for _ in range(3):
+            if use_closure:
+                losses.append(optimizer.step(closure))
+            else:
+                losses.append(closure())
+                optimizer.step()
+        runs.append(([loss.item() for loss in losses], [p.detach().clone() for p in model.parameters()]))
+    (plain_losses, plain_params), (losses, params) = runs
+    assert losses == plain_losses and losses[2] < losses[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1),
+    lambda params: torch.optim.Adam(params, lr=1e-2),
+    lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+], ids=["sgd", "adam", "fused-adam"])
+def test_an_overflow_in_a_closure_skips_that_step_leaving_weights_and_state(level,
+                                                                            make_optimizer):
+    """The overflow zeroed the grads, and the optimizer stepped anyway: momentum, weight
+    decay and Adam's moments still moved the weights (a fused one stepped the inf/NaN
+    grads). Now it is a skip, as an overflow before step() without closure is."""
+    import ampkit
+    model, optimizer, x, y = _closure_setup(level, make_optimizer)
+    blow_up = [False]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((model(x).float() - y) ** 2).mean()
+        with ampkit.scale_loss(loss * (float("inf") if blow_up[0] else 1.0), optimizer) as scaled:
+            scaled.backward()
+        return loss
+    optimizer.step(closure)  # a clean step first: momentum and moments are not zero
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in ampkit.master_params(optimizer)]
+    state = {i: {k: v.clone() for k, v in optimizer.state[p].items()}
+             for i, p in enumerate(ampkit.master_params(optimizer))}
+    scale = ampkit.state_dict()["loss_scaler0"]["loss_scale"]
+    blow_up[0] = True
+    loss = optimizer.step(closure)
+    assert loss is not None and torch.isfinite(loss)  # the closure's own loss, returned
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    assert all(torch.equal(a, b) for a, b in zip(ampkit.master_params(optimizer), masters))
+    for i, p in enumerate(ampkit.master_params(optimizer)):
+        assert optimizer.state[p].keys() == state[i].keys()
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in state[i].items())
+    assert ampkit.state_dict()["loss_scaler0"]["loss_scale"] == scale / 2
+    blow_up[0] = False
+    optimizer.step(closure)  # the next one steps
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_overflow_inside_a_closure_reaches_no_weight(level):
     """The closure's scale_loss flagged the overflow for the next step() while the current

@@ -6,7 +6,8 @@
 ``hasattr(optimizer, "_amp_stash")`` to know that initialize ran):
 
 - ``step``: a no-op after an overflow that ``scale_loss`` found (params, masters and
-  optimizer state untouched; the grads are dropped). Otherwise the model's half
+  optimizer state untouched; the grads are dropped), also one found in the first
+  evaluation of ``step(closure)``'s closure, which runs first. Otherwise the model's half
   gradients move into the fp32 masters, the inner step runs (a fused optimizer gets
   scale_loss's found-inf and skips on the device), and the masters are copied back into
   the model.
@@ -224,21 +225,19 @@ def _recast_state(optimizer: torch.optim.Optimizer) -> None:
 # --- the wrapper --------------------------------------------------------------------------
 def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash: AmpStash = getattr(self, ATTR)
-    if stash.before_step:
-        callbacks, stash.before_step = stash.before_step, {}
-        for callback in callbacks.values():
-            callback()
-    if stash.skip_next:
-        # The overflowing step: params, masters and optimizer state stay as they are;
-        # the inf/NaN grads are dropped so they do not leak into the next iteration.
-        stash.skip_next = False
-        self.zero_grad(set_to_none=True)
-        return None
+    if _skips(self, stash):
+        return None  # step(closure) is not evaluated: the skip was decided before it
+    loss: Any = None
+    closure = _closure_in(args, kwargs)
+    if closure is not None:
+        # Evaluated here, before the optimizer's own step: an overflow its scale_loss finds
+        # makes this very step a skip, exactly as one found before a step without closure.
+        loss, args, kwargs = _evaluate_first(self, stash, closure, args, kwargs)
+        if _skips(self, stash):
+            return loss
     masters = stash.masters
     if masters is not None:
         masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
-    if args or kwargs:
-        args, kwargs = _checked_closure(self, stash, args, kwargs)
     if stash.found_inf is not None:
         result = _fused_step(self, stash, args, kwargs)
     else:
@@ -251,25 +250,52 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
-                     kwargs: dict) -> tuple[tuple, dict]:
-    """``step(closure)``'s closure, made safe for an optimizer that calls it inside the step.
+def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
+    """Whether this step is the overflowing one (after the callbacks a step begins with,
+    which may decide it): then params, masters and optimizer state stay as they are, and
+    the inf/NaN grads are dropped so they do not leak into the next iteration."""
+    if stash.before_step:
+        callbacks, stash.before_step = stash.before_step, {}
+        for callback in callbacks.values():
+            callback()
+    if not stash.skip_next:
+        return False
+    stash.skip_next = False
+    optimizer.zero_grad(set_to_none=True)
+    return True
 
-    An optimizer such as LBFGS evaluates the closure again after changing the params: the
-    half model must first follow the masters (O2), or every evaluation sees the weights the
-    step began with. And an overflow a closure's ``scale_loss`` finds concerns this very
-    step, not the next: its inf/NaN grads are zeroed before the optimizer reads them (LBFGS
-    then ends the step; nothing non-finite reaches a weight).
-    """
+
+def _closure_in(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
     closure = kwargs.get("closure", args[0] if args else None)
-    if not callable(closure):
-        return args, kwargs
+    return closure if callable(closure) else None
+
+
+def _evaluate_first(optimizer: torch.optim.Optimizer, stash: AmpStash,
+                    closure: Callable[[], Any], args: tuple, kwargs: dict
+                    ) -> tuple[Any, tuple, dict]:
+    """``step(closure)``: the closure's first evaluation, and the closure to hand the
+    optimizer, which returns that first loss when it calls it first.
+
+    An optimizer such as LBFGS evaluates the closure again after changing the params:
+    before each later evaluation the half model follows the masters (O2), or every
+    evaluation would see the weights the step began with; after each, the gradients a
+    plain ``backward()`` left on the half model move into the masters the optimizer
+    reads. An overflow a later evaluation's ``scale_loss`` finds concerns this step, which
+    has changed the params already: its inf/NaN grads are zeroed before the optimizer
+    reads them (LBFGS then ends the step; nothing non-finite reaches a weight).
+    """
     masters = stash.masters
+    with torch.enable_grad():  # as the optimizer would call it: step runs under no_grad
+        first = [closure()]
 
     def evaluate() -> Any:
+        if first:
+            return first.pop()
         if masters is not None:
             masters.copy_to_model()
         loss = closure()
+        if masters is not None:
+            masters.move_grads()
         if stash.skip_next:
             stash.skip_next = False
             with torch.no_grad():
@@ -279,8 +305,8 @@ def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tu
                             param.grad.zero_()
         return loss
     if "closure" in kwargs:
-        return args, dict(kwargs, closure=evaluate)
-    return (evaluate, *args[1:]), kwargs
+        return first[0], args, dict(kwargs, closure=evaluate)
+    return first[0], (evaluate, *args[1:]), kwargs
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
