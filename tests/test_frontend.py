@@ -604,6 +604,31 @@ def test_an_lr_scheduler_built_before_initialize_gives_no_override_warning(level
     assert [g["lr"] for g in optimizer.param_groups] == [0.05]
 
 
+@pytest.mark.parametrize("built_before", [False, True], ids=["scheduler-after", "before"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_skipped_first_step_warns_at_the_first_scheduler_step_as_apex_did(level,
+                                                                           built_before):
+    """The scheduler's wrapper counted ampkit's skipped step as a step, so torch's warning
+    that the schedule ran ahead of the optimizer was lost; apex (whose skip replaced step)
+    and torch's GradScaler (which does not call step) both give it. Later skips do not."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if built_before:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    if not built_before:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    _step(model, optimizer, 0, overflow=True)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        scheduler.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(1, 3):
+            _step(model, optimizer, i, overflow=i == 2)
+            scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.0125]
+
+
 # --- checkpoints ------------------------------------------------------------------------------
 def _fresh(level: str, dtype: torch.dtype, seed: int):
     model = _model(seed=seed)

@@ -56,7 +56,7 @@ __all__ = [
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
     "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
-    "LR_SCHEDULER_MARK", "ddp_ignore",
+    "LR_SCHEDULER_MARK", "LR_SCHEDULER_STEP_CALLED", "ddp_ignore",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
     "register_load_state_dict_post_hook", "swaps_params_on_load", "local_parameters",
@@ -345,6 +345,9 @@ register_optimizer_step_pre_hook = _entry("torch.optim.optimizer.register_optimi
 # without it on the current step the scheduler warns the step was "overridden after
 # learning rate scheduler initialization". A private attribute name, 2.2 onwards.
 LR_SCHEDULER_MARK = "_wrapped_by_lr_sched"
+# The scheduler's wrapper sets this optimizer attribute to True when step() is called; its
+# first step() warns "lr_scheduler.step() before optimizer.step()" while it is not (2.2 on).
+LR_SCHEDULER_STEP_CALLED = "_opt_called"
 # A device-generic event: a fused step's overflow flag is read once it reached the host; 2.4.
 Event = _entry("torch.Event")
 

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from ._fused import clear_if_skipped, fresh_momentum
-from ._torch_compat import LR_SCHEDULER_MARK, register_optimizer_step_pre_hook
+from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
+                            register_optimizer_step_pre_hook)
 from ._warn import warn_once
 from .master import MASTER_MARK, MasterWeights
 
@@ -262,6 +263,11 @@ def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
         return False
     stash.skip_next = False
     optimizer.zero_grad(set_to_none=True)
+    if getattr(optimizer, LR_SCHEDULER_STEP_CALLED, None) is True:
+        # Not stepped, as far as an LR scheduler's wrapper (which ran first) is concerned:
+        # a skipped first step warns "lr_scheduler.step() before optimizer.step()", as it
+        # did under apex (it swapped in a step the wrapper never saw) and torch's GradScaler.
+        setattr(optimizer, LR_SCHEDULER_STEP_CALLED, False)
     return True
 
 
