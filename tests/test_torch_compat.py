@@ -378,6 +378,10 @@ def _lr_scheduler_mark() -> None:
     torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     _check("LR_SCHEDULER_MARK", getattr(optimizer.step, tc.LR_SCHEDULER_MARK, False) is True,
            "an LR scheduler no longer marks the optimizer.step it wrapped with this attribute")
+    optimizer.step()
+    _check("LR_SCHEDULER_STEP_CALLED",
+           getattr(optimizer, tc.LR_SCHEDULER_STEP_CALLED, None) is True,
+           "the scheduler's wrapper of optimizer.step no longer sets this attribute to True")
 
 
 def _step_pre_hook() -> None:
@@ -578,6 +582,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "unflatten_dense_tensors": _unflatten,
     "OptState": _opt_state,
     "STEP_SUPPORTS_AMP_SCALING": _step_supports, "LR_SCHEDULER_MARK": _lr_scheduler_mark,
+    "LR_SCHEDULER_STEP_CALLED": _lr_scheduler_mark,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
