@@ -88,3 +88,14 @@ def test_seed_decides_a_user_functions_random_weights(tmp_path, capsys, monkeypa
         torch.manual_seed(earlier)
         main(["tune", "--model", "tune_models_for_tests:unseeded", "--seed", "7", "--quiet"])
     assert len(weights) == 2 and torch.equal(weights[0], weights[1])
+
+
+def test_help_says_the_separators_check_candidates_accepts(capsys):
+    from ampkit.cli.tune import check_candidates
+
+    assert main(["tune", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--candidates: comma-separated names ampkit.get_policy takes" in text
+    assert "separated by ';' instead when one is an explicit policy such as \"p=f32,c=bf16,o=f32\"" in text
+    assert check_candidates("32-true, bf16-mixed,fp8", "cpu") == ["32-true", "bf16-mixed", "fp8"]
+    assert check_candidates("p=f32,c=bf16,o=f32; O2-bf16", "cpu") == ["p=f32,c=bf16,o=f32", "O2-bf16"]

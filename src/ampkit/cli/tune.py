@@ -22,11 +22,12 @@ the choice; --json writes the same with TuneResult.to_dict().
 
 Built-in models: mlp, cnn, resnet18, gpt (as ampkit bench builds them), or
 package.module:function returning (model, (inputs, targets)) or (model, (inputs,
-targets), loss_fn). Candidates: names ampkit.get_policy takes (32-true, bf16-mixed,
-16-mixed, O1-O3 (plain O2 takes the device's half dtype, as initialize does: O2-bf16 on a
-CPU) or with a half-dtype suffix such as O2-fp16, bf16-true, 16-true, fp8, fp8-tensorwise,
-fp8-delayed, fp8-rowwise, or "p=f32,c=bf16,o=f32" separated by ';'); default: the
-policies the device runs natively."""
+targets), loss_fn). --candidates: comma-separated names ampkit.get_policy takes
+(32-true, bf16-mixed, 16-mixed, O1-O3 (plain O2 takes the device's half dtype, as
+initialize does: O2-bf16 on a CPU) or with a half-dtype suffix such as O2-fp16,
+bf16-true, 16-true), fp8, fp8-tensorwise, fp8-delayed, fp8-rowwise; separated by ';'
+instead when one is an explicit policy such as "p=f32,c=bf16,o=f32" (its own commas);
+default: the policies the device runs natively."""
 
 TUNE_HEADERS = ("policy", "ms/step", "speedup", "MiB", "Δloss", "accepted: why")
 _LEFT = (0, 5)
