@@ -285,3 +285,31 @@ def test_every_candidate_steps_with_the_same_dropout_masks():
                              steps=4)
     assert [r["policy"] for r in result.rows] == ["32-true", "p=f32,c=f32,o=f32,scale=1024"]
     assert result.rows[1]["max_loss_dev"] == 0.0
+
+
+# --- what autotune refuses before anything runs ----------------------------------------------
+def _no_runs(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a candidate was set up")
+    monkeypatch.setattr(ampkit.tune, "_Run", refuse)
+    monkeypatch.setattr(ampkit.tune, "_fp8_layers", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_model_is_refused_since_its_reference_would_not_be_fp32(monkeypatch, dtype):
+    _no_runs(monkeypatch)
+    model = _model().to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = _batch()
+    with pytest.raises(ValueError, match=rf"^parameter '0.weight' is {dtype}; the reference pass "
+                       r"must be fp32; valid: the fp32 model, before ampkit.initialize"):
+        ampkit.autotune(model, x.to(dtype), y, candidates=["bf16-mixed"])
+    after = model.state_dict()
+    assert all(after[k].dtype == dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_model_with_fp8_layers_is_refused(monkeypatch):
+    _no_runs(monkeypatch)
+    model = ampkit.fp8.convert_to_fp8(_fp8_model())
+    with pytest.raises(ValueError, match=r"^module '0' is already a Float8Linear; valid: the fp32"):
+        ampkit.autotune(model, torch.randn(4, 16), candidates=["bf16-mixed"])

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ._dtypes import autocast_default_dtype, default_device_type, device_policies
 from ._loss import default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
+from ._reference import check_fp32_model
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from ._rng import RngReplay
@@ -221,6 +222,7 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
                 loss_fn: Any, device: Any) -> list[str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"autotune takes a torch.nn.Module, got {type(model).__name__} {model!r}")
+    _check_model(model)
     if optimizer is not None and not callable(optimizer):
         raise TypeError(f"optimizer must be a callable params -> optimizer, got {optimizer!r}")
     if loss_fn is not None and not callable(loss_fn):
@@ -277,6 +279,11 @@ def distinct_candidates(names: Sequence[str]) -> list[str]:
             seen.add(key)
             kept.append(name)
     return kept
+
+
+def _check_model(model: nn.Module) -> None:
+    """An fp32 model: a half one would make the "32-true" reference half too."""
+    check_fp32_model(model, "autotune")
 
 
 def _check_device(device: Any) -> None:

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .._dtypes import autocast_default_dtype, capability, fp8_supported, iter_tensors
 from .._loss import default_loss
+from .._reference import check_fp32_model, fp32_model_hint
 from ..apply import apply_policy, check_models, make_scalers
 from ..autocast import autocast
 from ..convert import conversion_of
@@ -163,21 +164,10 @@ def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:
 
 
 def _check_fp32_model(model: nn.Module) -> None:
-    valid = ("valid: the fp32 model, before ampkit.initialize / convert_to_fp8 / .half() "
-             "(inspect applies the policy to its own copy)")
-    for name, param in model.named_parameters():
-        if param.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device (no data to compare); "
-                             "valid: a model with real storage")
-        if param.is_floating_point() and param.dtype != torch.float32:
-            raise ValueError(f"parameter {name!r} is {param.dtype}; the reference pass must be "
-                             f"fp32; {valid}")
-    for name, module in model.named_modules():
-        if isinstance(module, Float8Linear):
-            raise ValueError(f"module {name or '<model>'!r} is already a Float8Linear; {valid}")
+    check_fp32_model(model, "inspect")
     if conversion_of(model) is not None:
-        raise ValueError(f"this model went through ampkit.initialize (its forward hooks cast); "
-                         f"{valid}")
+        raise ValueError("this model went through ampkit.initialize (its forward hooks cast); "
+                         f"{fp32_model_hint('inspect')}")
 
 
 def _device_of(model: nn.Module, inputs: Any) -> torch.device:
