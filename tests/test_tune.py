@@ -313,3 +313,31 @@ def test_a_model_with_fp8_layers_is_refused(monkeypatch):
     model = ampkit.fp8.convert_to_fp8(_fp8_model())
     with pytest.raises(ValueError, match=r"^module '0' is already a Float8Linear; valid: the fp32"):
         ampkit.autotune(model, torch.randn(4, 16), candidates=["bf16-mixed"])
+
+
+@pytest.mark.parametrize("model, target, error, match", [
+    (nn.ReLU(), None, ValueError,
+     r"^the model \(ReLU\) has no parameters, .*; valid: a model with at least one parameter "
+     r"that requires grad$"),
+    (nn.Linear(16, 4).requires_grad_(False), None, ValueError,
+     r"^no parameter of the model requires grad \(all 2 frozen, e.g. 'weight'\), .*; valid: "),
+    (nn.Linear(16, 4), [0, 1, 1], TypeError,
+     r"^the default loss takes a tensor target .* got list \[0, 1, 1\]; valid: a torch.Tensor, "
+     r"or pass loss_fn"),
+])
+def test_models_it_cannot_train_and_targets_it_cannot_read_are_refused_up_front(
+        monkeypatch, model, target, error, match):
+    _no_runs(monkeypatch)
+    with pytest.raises(error, match=match):
+        ampkit.autotune(model, torch.randn(3, 16), target, candidates=["bf16-mixed"])
+
+
+def test_a_list_target_reaches_a_users_loss_fn():
+    seen = []
+
+    def loss_fn(output, target):
+        seen.append(target)
+        return output.float().mean()
+    ampkit.autotune(nn.Linear(16, 4), torch.randn(3, 16), [0, 1, 1], loss_fn=loss_fn, steps=3,
+                    candidates=["bf16-mixed"])
+    assert seen[0] == (0, 1, 1)  # moved to the device as a tuple, as inputs are

@@ -13,6 +13,7 @@ def default_loss(output: Any, target: Any) -> Tensor:
     if not isinstance(output, Tensor):
         raise TypeError(f"the model returned a {type(output).__name__}, not a tensor; valid: "
                         "pass loss_fn=(output, target) -> loss")
+    check_target(target)
     if target is None:
         return output.float().mean()
     if not target.is_floating_point():
@@ -22,3 +23,11 @@ def default_loss(output: Any, target: Any) -> Tensor:
             target = target.long()
         return nn.functional.cross_entropy(output.float(), target)
     return nn.functional.mse_loss(output.float(), target.float())
+
+
+def check_target(target: Any) -> None:
+    """A target the default loss takes: a tensor or None (TypeError names it otherwise)."""
+    if target is not None and not isinstance(target, Tensor):
+        raise TypeError(f"the default loss takes a tensor target (class indices or values) or "
+                        f"none, got {type(target).__name__} {target!r:.80}; valid: a "
+                        "torch.Tensor, or pass loss_fn=(output, target) -> loss")

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ._dtypes import autocast_default_dtype, default_device_type, device_policies
-from ._loss import default_loss
+from ._loss import check_target, default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from ._reference import check_fp32_model
 from .apply import apply_policy, loop_scaler
@@ -185,6 +185,8 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     """
     names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device)
     _check_inputs(inputs)
+    if loss_fn is None:
+        check_target(target)
     device = device or next((p.device.type for p in model.parameters()), default_device_type())
     names = distinct_candidates([on_device(name, device) for name in names])
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -282,8 +284,17 @@ def distinct_candidates(names: Sequence[str]) -> list[str]:
 
 
 def _check_model(model: nn.Module) -> None:
-    """An fp32 model: a half one would make the "32-true" reference half too."""
+    """An fp32 model (the reference must be fp32) with parameters to train."""
     check_fp32_model(model, "autotune")
+    params = dict(model.named_parameters())
+    valid = "valid: a model with at least one parameter that requires grad"
+    if not params:
+        raise ValueError(f"the model ({type(model).__name__}) has no parameters, and autotune "
+                         f"compares the policies by training it; {valid}")
+    if not any(param.requires_grad for param in params.values()):
+        raise ValueError(f"no parameter of the model requires grad (all {len(params)} frozen, "
+                         f"e.g. {next(iter(params))!r}), and autotune compares the policies by "
+                         f"training it; {valid}")
 
 
 def _check_device(device: Any) -> None:
