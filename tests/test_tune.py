@@ -341,3 +341,30 @@ def test_a_list_target_reaches_a_users_loss_fn():
     ampkit.autotune(nn.Linear(16, 4), torch.randn(3, 16), [0, 1, 1], loss_fn=loss_fn, steps=3,
                     candidates=["bf16-mixed"])
     assert seen[0] == (0, 1, 1)  # moved to the device as a tuple, as inputs are
+
+
+# --- TuneResult.apply: initialize's seam ------------------------------------------------------
+def test_apply_checks_the_optimizer_before_converting_any_layer():
+    from ampkit.tune import TuneResult
+
+    taken = nn.Linear(16, 16)
+    taken_opt = torch.optim.SGD(taken.parameters(), 0.1)
+    ampkit.initialize(taken, taken_opt, opt_level="O1", verbosity=0)
+    model = _fp8_model()
+    with pytest.raises(RuntimeError, match=r"already passed through ampkit.initialize"):
+        TuneResult("fp8", [], 1.0, fp8_modules=["0"]).apply(model, taken_opt)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_apply_refuses_fp8_modules_the_model_lacks_before_changing_anything():
+    from ampkit import _state
+    from ampkit.tune import TuneResult
+
+    model = _fp8_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^fp8_modules \['nope'\] name no fp8-eligible Linear "
+                       r"of the model; valid: '0', '2'$"):
+        TuneResult("fp8", [], 1.0, fp8_modules=["0", "nope"]).apply(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert _state.get_active() is None

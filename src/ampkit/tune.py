@@ -32,10 +32,11 @@ from ._dtypes import autocast_default_dtype, default_device_type, device_policie
 from ._loss import check_target, default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from ._reference import check_fp32_model
-from .apply import apply_policy, loop_scaler
+from .apply import apply_policy, loop_scaler, plan
 from .autocast import autocast
 from ._rng import RngReplay
 from .fp8 import convert_to_fp8
+from .fp8.convert import eligible_linears
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import OPT_LEVELS, get_policy
@@ -97,16 +98,33 @@ class TuneResult:
               ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """Configure ``model`` (and ``optimizer``) as chosen, through ``ampkit.apply``.
 
-        An fp8 choice converts exactly ``fp8_modules`` (``convert_to_fp8``) and applies
-        bf16-mixed; train it under ``ampkit.autocast(dtype=torch.bfloat16)``.
+        Everything is checked before anything changes. An fp8 choice converts exactly
+        ``fp8_modules`` (``convert_to_fp8``; a name that is no fp8-eligible Linear of
+        ``model`` raises ValueError) and applies bf16-mixed; train it under
+        ``ampkit.autocast(dtype=torch.bfloat16)``.
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"TuneResult.apply takes the torch.nn.Module autotune measured, got "
+                            f"{type(model).__name__} {model!r:.80}")
         recipe = fp8_recipe(self.policy)
+        application = plan(_FP8_COMPUTE if recipe is not None else self.policy, model, optimizer,
+                           keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
         if recipe is not None:
-            chosen = set(self.fp8_modules)
+            chosen = _check_fp8_modules(model, self.fp8_modules)
+            # Checks before its first swap; the plan above holds the same parameters after it.
             convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
-        apply_policy(_FP8_COMPUTE if recipe is not None else self.policy, model, optimizer,
-                     keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
+        application.apply()
         return model, optimizer
+
+
+def _check_fp8_modules(model: nn.Module, names: Sequence[str]) -> set[str]:
+    """``names`` as a set, each an fp8-eligible Linear of ``model`` (ValueError otherwise)."""
+    valid = [name for name, _ in eligible_linears(model)]
+    bad = [name for name in names if name not in valid]
+    if bad:
+        raise ValueError(f"fp8_modules {bad!r} name no fp8-eligible Linear of the model; valid: "
+                         f"{', '.join(repr(name) for name in valid) or 'none (no eligible Linear)'}")
+    return set(names)
 
 
 def native_candidates(device: Optional[str] = None) -> list[str]:
