@@ -344,6 +344,58 @@ def test_a_list_target_reaches_a_users_loss_fn():
 
 
 # --- TuneResult.apply: initialize's seam ------------------------------------------------------
+def _apex_loop(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list, list, dict]:
+    """Three apex-style steps, the second one's loss 1e4 times larger (fp16 grads overflow)."""
+    x, y = _batch()
+    losses, scales = [], []
+    for step in range(3):
+        loss = nn.functional.cross_entropy(model(x).float(), y) * (1e4 if step == 1 else 1.0)
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        scales.append(ampkit.state_dict()["loss_scaler0"]["loss_scale"])
+    return losses, scales, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _initialized_earlier() -> None:
+    """Another model's O3 fp16 initialize, earlier in the process: its state must not linger."""
+    other = nn.Linear(4, 4)
+    ampkit.initialize(other, torch.optim.SGD(other.parameters(), 0.1), opt_level="O3",
+                      half_dtype=torch.float16, verbosity=0)
+
+
+@pytest.mark.parametrize("policy, fp8_modules, kwargs, scales", [
+    ("O2-fp16", [], dict(opt_level="O2", half_dtype=torch.float16), [65536.0, 32768.0, 32768.0]),
+    ("16-mixed", [], dict(opt_level="O1", half_dtype=torch.float16), [65536.0, 32768.0, 32768.0]),
+    ("bf16-mixed", [], dict(opt_level="O1", half_dtype=BF16, loss_scale=1.0), [1.0, 1.0, 1.0]),
+    ("fp8", ["0"], dict(opt_level="O1", half_dtype=BF16, loss_scale=1.0), [1.0, 1.0, 1.0]),
+])
+def test_apply_trains_the_apex_loop_bitwise_as_initialize_does(policy, fp8_modules, kwargs, scales):
+    from ampkit.tune import TuneResult
+
+    _initialized_earlier()
+    model = _fp8_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    TuneResult(policy, [], 1.0, fp8_modules=fp8_modules).apply(model, opt)
+    applied = _apex_loop(model, opt)
+
+    _initialized_earlier()
+    reference = _fp8_model()
+    if fp8_modules:
+        ampkit.fp8.convert_to_fp8(reference, module_filter=lambda _, fqn: fqn in fp8_modules)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ampkit.initialize(reference, ref_opt, verbosity=0, **kwargs)
+    expected = _apex_loop(reference, ref_opt)
+
+    assert applied[1] == expected[1] == scales  # a skipped step for fp16: the scale halved
+    assert all(torch.equal(a, b) for a, b in zip(applied[0], expected[0]))
+    assert applied[2].keys() == expected[2].keys()
+    assert all(torch.equal(applied[2][k], expected[2][k]) for k in expected[2])
+    assert [type(m) for m in model] == [type(m) for m in reference]
+
+
 def test_apply_checks_the_optimizer_before_converting_any_layer():
     from ampkit.tune import TuneResult
 

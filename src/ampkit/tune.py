@@ -39,6 +39,7 @@ from .fp8 import convert_to_fp8
 from .fp8.convert import eligible_linears
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
+from .frontend.initialize import activate
 from .policy import OPT_LEVELS, get_policy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -96,12 +97,19 @@ class TuneResult:
 
     def apply(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
               ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        """Configure ``model`` (and ``optimizer``) as chosen, through ``ampkit.apply``.
+        """Configure ``model`` (and ``optimizer``) as chosen, as ``ampkit.initialize`` does.
 
-        Everything is checked before anything changes. An fp8 choice converts exactly
+        Everything is checked before anything changes. The chosen policy becomes the active
+        amp state, as after ``initialize`` with it (its loss scaler, dynamic for fp16), so
+        the apex-style loop trains as it would there. An fp8 choice converts exactly
         ``fp8_modules`` (``convert_to_fp8``; a name that is no fp8-eligible Linear of
-        ``model`` raises ValueError) and applies bf16-mixed; train it under
-        ``ampkit.autocast(dtype=torch.bfloat16)``.
+        ``model`` raises ValueError) and applies bf16-mixed around them.
+
+        Example:
+            >>> model, optimizer = result.apply(model, optimizer)  # doctest: +SKIP
+            >>> with ampkit.scale_loss(loss_fn(model(x), y), optimizer) as scaled_loss:  # doctest: +SKIP
+            ...     scaled_loss.backward()
+            >>> optimizer.step()  # doctest: +SKIP
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"TuneResult.apply takes the torch.nn.Module autotune measured, got "
@@ -113,7 +121,7 @@ class TuneResult:
             chosen = _check_fp8_modules(model, self.fp8_modules)
             # Checks before its first swap; the plan above holds the same parameters after it.
             convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
-        application.apply()
+        activate(application)
         return model, optimizer
 
 
