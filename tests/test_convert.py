@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import inspect
 import pickle
@@ -25,6 +26,36 @@ from conftest import DEVICES, HALF_DTYPES
 class Pair(NamedTuple):
     a: torch.Tensor
     b: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    h: torch.Tensor
+    ids: torch.Tensor
+
+
+def test_the_converted_forward_casts_dataclass_inputs_and_outputs():
+    """Dataclass instances passed the forward casts uncast: a half model got fp32 inputs
+    and handed half outputs back where fp32 was asked for."""
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, batch: Frozen) -> Frozen:
+            return Frozen(self.lin(batch.h), batch.ids)
+
+    torch.manual_seed(0)
+    model, reference = Model(), Model()
+    reference.load_state_dict(model.state_dict())
+    convert_model(model, param_dtype=torch.bfloat16,
+                  casts=ForwardCasts(torch.bfloat16, torch.float32))
+    batch = Frozen(torch.randn(2, 4), torch.arange(2))
+    out = model(batch)
+    assert type(out) is Frozen and out.h.dtype is torch.float32 and out.ids is batch.ids
+    expected = reference.bfloat16()(Frozen(batch.h.bfloat16(), batch.ids)).h.float()
+    assert torch.equal(out.h, expected)
+    assert batch.h.dtype is torch.float32  # the caller's instance is left as it was
 
 
 def _net(device: str = "cpu") -> nn.Sequential:

@@ -7,6 +7,7 @@ to zero in fp16 (smallest subnormal 6e-8) and not in bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -406,6 +407,27 @@ def test_watch_finds_the_first_nonfinite_forward_and_backward_module():
     with watch(model) as w:
         model(X)
     assert w.first_nonfinite is None
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+
+
+def test_watch_sees_a_nonfinite_tensor_inside_a_dataclass_output():
+    """A dataclass output was not walked: its inf went unseen until a later module."""
+    class Wrap(nn.Module):
+        def forward(self, x):
+            return _Out(x / 0)
+
+    class Unwrap(nn.Module):
+        def forward(self, out):
+            return out.h
+
+    model = nn.Sequential(Wrap(), Unwrap())
+    with watch(model) as w:
+        model(X)
+    assert w.first_nonfinite == ("forward", "0")
 
 
 def test_watch_blames_the_innermost_module_for_a_shared_input_gradient():

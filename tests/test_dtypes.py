@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,3 +94,33 @@ def test_cast_tree_keeps_a_defaultdicts_factory():
     cast = cast_tree(tree, torch.bfloat16)
     assert type(cast) is collections.defaultdict and cast["missing"] == []
     assert cast["x"].dtype is torch.bfloat16 and "missing" not in tree
+
+
+@dataclasses.dataclass
+class _Pair:
+    h: torch.Tensor
+    ids: torch.Tensor
+    note: str = "pair"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenNest:
+    pair: _Pair
+    extra: list
+    n: int = dataclasses.field(init=False, default=0)
+
+
+def test_cast_tree_and_iter_tensors_walk_dataclasses_frozen_or_not():
+    """They passed dataclass instances through: a kept module's fp32 output in one never
+    went back to half (O2), nor did its half input become fp32 (autocast)."""
+    from ampkit._dtypes import cast_tree, iter_tensors
+    h, ids, e = torch.randn(2, 3, dtype=torch.bfloat16), torch.arange(2), torch.ones(1)
+    tree = _FrozenNest(_Pair(h, ids), [e])
+    assert [t is u for t, u in zip(iter_tensors(tree), (h, ids, e))] == [True] * 3
+    cast = cast_tree(tree, torch.float32)
+    assert type(cast) is _FrozenNest and type(cast.pair) is _Pair and cast.pair.note == "pair"
+    assert cast.pair.h.dtype is torch.float32 and torch.equal(cast.pair.h, h.float())
+    assert cast.pair.ids is ids and cast.extra[0] is e
+    assert tree.pair.h is h and tree.pair.h.dtype is torch.bfloat16  # the caller's: unchanged
+    pair = _Pair(h, ids)
+    assert cast_tree(pair, torch.bfloat16, sources=(torch.float16,)) is pair  # nothing cast

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 
 import pytest
@@ -373,3 +374,73 @@ def test_a_half_input_given_by_keyword_is_cast_for_the_kept_module(level):
     assert model.block[0].weight.dtype == F32 and model.lin.weight.dtype == F16
     out = model(torch.randn(2, 8))
     assert out.dtype == (F32 if level == "O2" else F16)  # O2 casts outputs to fp32
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenHidden:
+    h: torch.Tensor
+
+
+class _DataclassNet(nn.Module):
+    """A block returning ``kind(h)`` and a head taking it."""
+
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.block = nn.Linear(8, 8)
+        self.head = _HeadOf()
+
+    def forward(self, x):
+        return self.head(self.kind(self.block(x)))
+
+
+class _HeadOf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, hidden):
+        return self.lin(hidden.h)
+
+
+class _BlockOut(nn.Module):
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.kind(self.lin(x))
+
+
+@pytest.mark.parametrize("kind", [_Hidden, _FrozenHidden])
+def test_a_dataclass_input_is_cast_to_fp32_inside_autocast(kind):
+    """A dataclass holding a bf16 tensor reached the kept fp32 head uncast (a dtype
+    mismatch): cast_tree passed dataclass instances through."""
+    model = _DataclassNet(kind)
+    ampkit.keep_fp32(model, ["head"])
+    x = torch.randn(2, 8)
+    with ampkit.autocast("cpu", dtype=BF16):
+        h = model.block(x)
+        out = model(x)
+    assert h.dtype == BF16 and out.dtype == F32
+    assert torch.equal(out, torch.nn.functional.linear(h.float(), model.head.lin.weight,
+                                                       model.head.lin.bias))
+
+
+@pytest.mark.parametrize("kind", [_Hidden, _FrozenHidden])
+def test_a_dataclass_output_goes_back_to_half_under_o2(kind):
+    """A kept block's dataclass output stayed fp32 under O2: the half head after it failed."""
+    model = nn.Sequential(_BlockOut(kind), _HeadOf())
+    ampkit.keep_fp32(model, ["0"])
+    ampkit.initialize(model, opt_level="O3", half_dtype=BF16, verbosity=0)
+    x = torch.randn(2, 8)
+    expected = model[1].lin(model[0].lin(x.bfloat16().float()).bfloat16())
+    out = model(x)
+    assert out.dtype == BF16 and torch.equal(out, expected)
+

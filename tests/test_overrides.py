@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 import types
 
@@ -107,6 +108,26 @@ def test_registration_while_active_and_removal():
         reg.remove()
         assert torch.mm(*_mm("cpu")).dtype is torch.bfloat16
     assert overrides.registrations() == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_dataclass_arguments_are_cast_and_promoted():
+    """Dataclass arguments passed through: a float function got them half, a promote
+    function never saw their dtypes."""
+    module = types.SimpleNamespace(add=lambda p: p.a + p.b, mm=lambda p, x: p.a @ x)
+    ampkit.register_float_function(module, "add")
+    ampkit.register_promote_function(module, "mm")
+    pair = _Pair(torch.ones(2, 2, dtype=torch.bfloat16), torch.eye(2, dtype=torch.bfloat16))
+    with autocast("cpu", dtype="bf16"):
+        assert module.add(pair).dtype is torch.float32
+        out = module.mm(_Pair(torch.eye(2), pair.b), pair.a)  # fp32 @ bf16: promoted to fp32
+    assert out.dtype is torch.float32 and torch.equal(out, torch.ones(2, 2))
+    assert pair.a.dtype is torch.bfloat16  # the caller's instance is left as it was
 
 
 def test_decorators_act_only_inside():
@@ -346,7 +367,7 @@ def test_a_decorated_function_outside_any_region_does_not_read_its_arguments(mon
     """It walked every argument looking for a tensor before asking whether any region was
     open: a list of 100k ints cost 30 ms a call."""
     fn = ampkit.half_function(lambda xs: len(xs))
-    monkeypatch.setattr(overrides, "_tensors", lambda values: pytest.fail("arguments read"))
+    monkeypatch.setattr(overrides, "iter_tensors", lambda values: pytest.fail("arguments read"))
     assert fn(list(range(10))) == 10
 
 

@@ -8,6 +8,7 @@ the caller did not say.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
@@ -76,12 +77,19 @@ def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def cast_tree(obj: Any, dtype: torch.dtype,
               sources: Optional[tuple[torch.dtype, ...]] = None) -> Any:
-    """Cast the floating tensors in ``obj`` (nested lists, tuples, namedtuples, dicts).
+    """Cast the floating tensors in ``obj`` (nested lists, tuples, namedtuples, dicts,
+    dataclass instances).
 
     Args:
         obj: a tensor or a nest of them; anything else passes through.
         dtype: the target dtype.
         sources: only tensors of these dtypes are cast (None: every floating tensor).
+
+    Returns:
+        ``obj`` with its tensors cast, in new containers; ``obj``'s own containers are
+        never changed. A dataclass instance (frozen or not) comes back as a new one built
+        by ``dataclasses.replace`` from its ``init`` fields (so ``__post_init__`` runs), or
+        as itself when none of its tensors is cast.
 
     Example:
         >>> cast_tree({"x": [torch.ones(1)], "n": 3}, torch.float16)["x"][0].dtype
@@ -95,14 +103,23 @@ def cast_tree(obj: Any, dtype: torch.dtype,
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
             return type(obj)(*cast)
         return cast if type(obj) is list else type(obj)(cast)
+    # Dicts before dataclasses: a dict that is one too (transformers' ModelOutput) is
+    # rebuilt as a mapping, as before.
     if isinstance(obj, dict):
         cast = {k: cast_tree(v, dtype, sources) for k, v in obj.items()}
         return cast if type(obj) is dict else _rebuild_mapping(obj, cast)
+    if _is_dataclass_instance(obj):
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+        cast = {name: cast_tree(v, dtype, sources) for name, v in fields.items()}
+        if all(cast[name] is value for name, value in fields.items()):
+            return obj
+        return dataclasses.replace(obj, **cast)
     return obj
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``obj`` (nested lists, tuples, dicts), in order: the one walker."""
+    """The tensors in ``obj`` (nested lists, tuples, dicts, dataclass instances' fields),
+    in order: the one walker."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -111,6 +128,13 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from iter_tensors(item)
+    elif _is_dataclass_instance(obj):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name, None))
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 def _rebuild_mapping(original: dict, cast: dict) -> dict:

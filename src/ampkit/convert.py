@@ -4,7 +4,7 @@ All of it is undone by :meth:`ConvertHandle.remove`, so a model can be initializ
 without stale casts. What a conversion installs:
 
 * ``model.forward``, in the model's own ``__dict__``: the forward it had, with its floating
-  inputs (nested in lists, tuples, dicts) cast to half and/or inside an
+  inputs (nested in lists, tuples, dicts, dataclass instances) cast to half and/or inside an
   ``ampkit.autocast`` region (O1, left even when forward raises), and its floating outputs
   cast (O1: fp32; O2: fp32 or ``cast_model_outputs``). One Python frame, not module
   hooks: torch runs a module that has any forward hook through its slow call path, which
@@ -47,7 +47,8 @@ _HANDLE_ATTR = "_ampkit_convert_handle"
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in ``obj`` (nested lists, tuples, dicts) to ``dtype``.
+    """Cast every floating tensor in ``obj`` (nested lists, tuples, dicts, dataclass
+    instances, rebuilt: see :func:`ampkit._dtypes.cast_tree`) to ``dtype``.
 
     Other objects, integer tensors and tensors already in ``dtype`` pass through as they are.
 

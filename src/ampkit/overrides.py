@@ -35,7 +35,7 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
 from ._checks import callable_choices
-from ._dtypes import cast_tree
+from ._dtypes import cast_tree, iter_tensors
 from ._torch_compat import get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -180,20 +180,10 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return cast_tree(value, dtype, sources=_CASTABLE)
 
 
-def _tensors(values: Any) -> Iterator[torch.Tensor]:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _tensors(value)
-        elif isinstance(value, dict):
-            yield from _tensors(value.values())
-
-
 def _widest(args: tuple, kwargs: dict) -> Optional[torch.dtype]:
     """torch's type promotion over the floating arguments (fp16 with bf16 gives fp32)."""
     widest = None
-    for t in _tensors((args, kwargs)):
+    for t in iter_tensors((args, kwargs)):
         if t.is_floating_point():
             widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
     return widest
@@ -219,7 +209,7 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if not _local.frames:  # no region in this thread: the arguments are not even read
             return fn(*args, **kwargs)
-        first = next(_tensors((args, kwargs)), None)
+        first = next(iter_tensors((args, kwargs)), None)
         frame = active_frame(None if first is None else first.device.type)
         # torch's own switch too: torch.autocast(enabled=False) nested inside an ampkit
         # region turns the overrides off as it does torch's casts.
