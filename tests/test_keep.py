@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import pickle
+from copy import deepcopy
 
 import pytest
 import torch
@@ -374,6 +376,52 @@ def test_a_half_input_given_by_keyword_is_cast_for_the_kept_module(level):
     assert model.block[0].weight.dtype == F32 and model.lin.weight.dtype == F16
     out = model(torch.randn(2, 8))
     assert out.dtype == (F32 if level == "O2" else F16)  # O2 casts outputs to fp32
+
+
+def _embedder(nested: bool = False) -> nn.Module:
+    """Token ids -> an embedding (in a block of its own when ``nested``) -> a linear."""
+    torch.manual_seed(0)
+    embed: nn.Module = nn.Embedding(10, 8)
+    if nested:
+        embed = nn.Sequential(embed, nn.Linear(8, 8))
+    return nn.Sequential(embed, nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_kept_module_fed_only_token_ids_hands_the_policys_half_dtype_on(level):
+    """Its outputs went back to "the half dtype its inputs had": token ids have none, so
+    the half linear after a kept fp32 embedding got fp32 ("mat1 and mat2 must have the
+    same dtype"). With no floating input, the dtype of the half model around decides."""
+    model = _embedder()
+    ampkit.keep_fp32(model, ["0"])
+    ampkit.initialize(model, opt_level=level, half_dtype=BF16, verbosity=0)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 9]])
+    assert model[0].weight.dtype == F32 and model[1].weight.dtype == BF16
+    expected = model[1](model[0].weight[ids].bfloat16())
+    out = model(ids)
+    assert out.dtype == (F32 if level == "O2" else BF16)  # O2 casts outputs to fp32
+    assert torch.equal(out, expected.to(out.dtype))
+    ampkit.keep_fp32(model, ["0"])  # selected again after initialize: still knows the dtype
+    assert torch.equal(model(ids), out)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(ids), out)
+    for copy in (pickle.loads(pickle.dumps(model)), deepcopy(model)):
+        assert torch.equal(copy(ids), out)  # the copies know the dtype around too
+    model.float()  # cast again by the user: fp32 around it, so nothing goes back to half
+    fp32 = torch.nn.functional.linear(model[0].weight[ids], model[1].weight, model[1].bias)
+    assert torch.equal(model(ids), fp32.to(out.dtype))
+
+
+def test_a_kept_module_inside_a_kept_module_stays_fp32_for_it():
+    """Inside a kept block the model around is fp32: a kept embedding there must not hand
+    the policy's half dtype to the block's fp32 layers."""
+    model = _embedder(nested=True)
+    ampkit.keep_fp32(model, ["0", "0.0"])
+    ampkit.initialize(model, opt_level="O3", half_dtype=BF16, verbosity=0)
+    ids = torch.tensor([1, 2, 3])
+    expected = model[1](model[0][1](model[0][0].weight[ids]).bfloat16())
+    out = model(ids)
+    assert out.dtype == BF16 and torch.equal(out, expected)
 
 
 @dataclasses.dataclass

@@ -273,6 +273,7 @@ def _apply(p: Plan) -> None:
         convert_model(model, param_dtype=policy.param_dtype, keep_fp32=keep_types,
                       keep_modules=keep.kept_modules(model),
                       casts=ForwardCasts() if root_kept else casts)
+        keep.follow_conversion(model)  # the half dtype its kept modules' outputs go back to
     for optimizer in p.optimizers:
         masters = wrap(optimizer, master_weights=p.master_weights).masters
         if masters is not None:

@@ -5,7 +5,8 @@ forward, floating inputs are cast to fp32, floating outputs stay fp32) and keep 
 parameters when a policy casts the model to half (O2/O3: no masters are needed for
 them; ``ampkit.apply`` reads the selection). Outside an autocast region, where the
 model around them is half (O2/O3), their floating outputs go back to the half dtype
-their inputs had, so the half layers after them get what they expect.
+their inputs had (with no floating input, token ids, the model's: see
+:func:`follow_conversion`), so the half layers after them get what they expect.
 
 The selection lives on the model (one record, its hooks and forwards); calling
 ``keep_fp32`` again replaces it and ``[]`` clears it. Hooks are small classes, so the
@@ -48,13 +49,16 @@ class _Kept:
     """The selection on one model: module names, and the hooks and forwards that enforce
     them."""
 
-    forwards: Sequence["_KeptForward"] = ()  # class default: records pickled before them
+    # Class defaults: records pickled before these existed.
+    forwards: Sequence["_KeptForward"] = ()
+    regions: Sequence["_Fp32Region"] = ()
 
     def __init__(self, names: list[str], handles: list[RemovableHandle],
-                 forwards: Sequence["_KeptForward"]) -> None:
+                 forwards: Sequence["_KeptForward"], regions: Sequence["_Fp32Region"]) -> None:
         self.names = names
         self.handles = handles
         self.forwards = forwards
+        self.regions = regions
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -206,8 +210,10 @@ def install(model: nn.Module, names: Iterable[str]) -> None:
         return
     handles: list[RemovableHandle] = []
     forwards: list[_KeptForward] = []
+    regions: list[_Fp32Region] = []
     for name in names:
         region = _Fp32Region(traced_by_forward=True)
+        regions.append(region)
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(region.enter, with_kwargs=True,
                                                         prepend=True))
@@ -215,7 +221,26 @@ def install(model: nn.Module, names: Iterable[str]) -> None:
                                                     always_call=True))
         forwards.append(_KeptForward(module, module.__dict__.get("forward")))
         module.forward = forwards[-1]  # type: ignore[method-assign]
-    setattr(model, _ATTR, _Kept(names, handles, forwards))
+    setattr(model, _ATTR, _Kept(names, handles, forwards, regions))
+    follow_conversion(model)
+
+
+def follow_conversion(model: nn.Module) -> None:
+    """Tell the kept regions of ``model`` the dtype of the model around them: that of a
+    parameter its current conversion (``ampkit.initialize``) cast to half, read at each
+    forward (the converted forward follows that parameter too), for outputs computed from
+    no floating input (token ids) to go back to. Kept modules inside kept modules have
+    fp32 around them. Called by :func:`install` and after every conversion."""
+    kept: Optional[_Kept] = getattr(model, _ATTR, None)
+    if kept is None:
+        return
+    handle = conversion_of(model)
+    around = handle.cast_param if handle is not None else None
+    modules = [model.get_submodule(name) for name in kept.names]
+    for module, region in zip(modules, kept.regions):
+        nested = any(outer is not module and any(sub is module for sub in outer.modules())
+                     for outer in modules)
+        region.around = None if nested else around
 
 
 def kept_names(model: nn.Module) -> list[str]:
@@ -234,18 +259,24 @@ class _Fp32Region:
 
     ``traced_by_forward``: while dynamo traces, the module's :class:`_KeptForward` is the
     region (False for a model pickled before it had one: the hooks stay the region).
+    ``around``: a parameter of the model around the module that a policy cast to half
+    (None: none), whose dtype outputs computed from no floating input go back to
+    (:func:`follow_conversion`).
     """
 
-    def __init__(self, traced_by_forward: bool = False) -> None:
+    def __init__(self, traced_by_forward: bool = False,
+                 around: Optional[torch.Tensor] = None) -> None:
         self._local = threading.local()
         self.traced_by_forward = traced_by_forward
+        self.around = around
 
     def __getstate__(self) -> dict:
         # Open regions belong to this process's threads.
-        return {"traced_by_forward": self.traced_by_forward}
+        return {"traced_by_forward": self.traced_by_forward, "around": self.around}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state.get("traced_by_forward", False))  # type: ignore[misc]
+        self.__init__(state.get("traced_by_forward", False),  # type: ignore[misc]
+                      state.get("around"))
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         from .autocast import autocast  # autocast imports nothing of this module
@@ -256,11 +287,11 @@ class _Fp32Region:
         if stack is None:
             stack = self._local.stack = []
         autocasting = has_autocast(device) and torch.is_autocast_enabled(device)
-        # Outside autocast (a half O2/O3 model), the outputs go back to the inputs' dtype
-        # (a half input given by keyword counts: ``block(hidden_states=h)``).
-        restore = None if autocasting else _half_dtype_of((args, kwargs))
+        # Outside autocast (a half O2/O3 model), the outputs go back to the half dtype
+        # around the module (see _restore_dtype).
+        restore = None if autocasting else self._restore_dtype((args, kwargs))
         if not autocasting and restore is None:
-            # No region and no half input (an fp32 or fp64 model, the meta device): the
+            # No region and no half around (an fp32 or fp64 model, the meta device): the
             # module's forward runs as it would without keep_fp32.
             stack.append((None, None))
             return args, kwargs
@@ -279,6 +310,18 @@ class _Fp32Region:
         if region is not None:
             region.__exit__(None, None, None)
         return output if restore is None else cast_tree(output, restore)
+
+    def _restore_dtype(self, inputs: Any) -> Optional[torch.dtype]:
+        """The half dtype outputs go back to outside autocast: the first half input's (one
+        given by keyword counts: ``block(hidden_states=h)``); with no floating input at all
+        (token ids into a kept embedding), the dtype of the half model around; else none."""
+        floating = False
+        for tensor in iter_tensors(inputs):
+            if tensor.dtype in HALF_DTYPES:
+                return tensor.dtype
+            floating = floating or tensor.is_floating_point()
+        around = None if floating or self.around is None else self.around.dtype
+        return around if around in HALF_DTYPES else None
 
 
 class _KeptForward(BoundForward):
@@ -371,10 +414,3 @@ def _device_type(module: nn.Module, args: tuple) -> str:
     for param in module.parameters():
         return param.device.type
     return "cpu"
-
-
-def _half_dtype_of(args: Any) -> Optional[torch.dtype]:
-    for tensor in iter_tensors(args):
-        if tensor.dtype in HALF_DTYPES:
-            return tensor.dtype
-    return None
