@@ -492,3 +492,27 @@ def test_a_dataclass_output_goes_back_to_half_under_o2(kind):
     out = model(x)
     assert out.dtype == BF16 and torch.equal(out, expected)
 
+
+@pytest.mark.parametrize("dtype, autocast", [(BF16, False), (F16, False), (BF16, True),
+                                             (torch.float64, True)])
+def test_a_kept_module_cast_since_by_the_user_runs_as_unkept(dtype, autocast):
+    """After keep_fp32, model.to(dtype) cast the kept module's parameters but its region
+    still cast the inputs to fp32 (a dtype mismatch). Its parameters' dtype is what the
+    user asked last: it runs as without keep_fp32, and is kept again once fp32."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    kept = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    kept.load_state_dict(plain.state_dict())
+    ampkit.keep_fp32(kept, ["2"])
+    x = torch.randn(2, 16)
+    with ampkit.autocast("cpu", dtype=BF16, enabled=autocast):
+        expected = plain.to(dtype)(x.to(dtype))
+        out = kept.to(dtype)(x.to(dtype))
+        assert out.dtype == expected.dtype and torch.equal(out, expected)
+        if autocast:
+            torch._dynamo.reset()
+            compiled = torch.compile(kept, backend="eager", fullgraph=True)(x.to(dtype))
+            assert torch.equal(compiled, expected)
+        kept.float()
+        assert kept(x).dtype == F32  # kept again: fp32 out even inside autocast
+

@@ -6,7 +6,9 @@ parameters when a policy casts the model to half (O2/O3: no masters are needed f
 them; ``ampkit.apply`` reads the selection). Outside an autocast region, where the
 model around them is half (O2/O3), their floating outputs go back to the half dtype
 their inputs had (with no floating input, token ids, the model's: see
-:func:`follow_conversion`), so the half layers after them get what they expect.
+:func:`follow_conversion`), so the half layers after them get what they expect. A kept
+module whose parameters the user cast since (``model.to(dtype)``, ``.half()``) runs as it
+would without keep_fp32.
 
 The selection lives on the model (one record, its hooks and forwards); calling
 ``keep_fp32`` again replaces it and ``[]`` clears it. Hooks are small classes, so the
@@ -290,9 +292,10 @@ class _Fp32Region:
         # Outside autocast (a half O2/O3 model), the outputs go back to the half dtype
         # around the module (see _restore_dtype).
         restore = None if autocasting else self._restore_dtype((args, kwargs))
-        if not autocasting and restore is None:
-            # No region and no half around (an fp32 or fp64 model, the meta device): the
-            # module's forward runs as it would without keep_fp32.
+        if not _runs_fp32(module) or (not autocasting and restore is None):
+            # Cast since keep_fp32 (model.to(dtype), .half()), or no region and no half
+            # around (an fp32 or fp64 model, the meta device): the module's forward runs
+            # as it would without keep_fp32.
             stack.append((None, None))
             return args, kwargs
         region = None
@@ -401,7 +404,7 @@ def _traced_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: 
     from .autocast import autocast  # autocast imports nothing of this module
 
     device = _device_type(module, args)
-    if not (has_autocast(device) and torch.is_autocast_enabled(device)):
+    if not (has_autocast(device) and torch.is_autocast_enabled(device) and _runs_fp32(module)):
         return _inner_forward(kept, module, args, kwargs)
     dtype = autocast(device, enabled=False).fast_dtype  # what the eager region sets
     with _TorchAutocast(device, dtype, enabled=False):
@@ -414,3 +417,15 @@ def _device_type(module: nn.Module, args: tuple) -> str:
     for param in module.parameters():
         return param.device.type
     return "cpu"
+
+
+def _runs_fp32(module: nn.Module) -> bool:
+    """Whether a kept module's region applies: its floating parameters are fp32 (or it has
+    none). Cast since keep_fp32 (``model.to(dtype)``, ``.half()``, ``.double()``, the last
+    thing the user asked for), it runs as it would without keep_fp32; ``.float()`` makes
+    it kept again. Its first floating parameter decides: those casts and ``initialize``
+    cast all of them."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype == torch.float32
+    return True
