@@ -516,3 +516,34 @@ def test_a_kept_module_cast_since_by_the_user_runs_as_unkept(dtype, autocast):
         kept.float()
         assert kept(x).dtype == F32  # kept again: fp32 out even inside autocast
 
+
+class _Tied(nn.Module):
+    """One module under two names: ``dec`` is ``enc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 8)
+        self.dec = self.enc
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.dec(self.enc(x)))
+
+
+def test_a_module_used_under_two_names_is_selected_by_either():
+    """named_modules() lists a shared module once, so keep_fp32(model, ["dec"]) said
+    "matches no module"; each name now selects it, recorded once under its first name."""
+    from ampkit.keep import kept_names
+    model = _Tied()
+    assert kept_names(ampkit.keep_fp32(model, ["dec"])) == ["enc"]
+    assert kept_names(ampkit.keep_fp32(model, ["enc", "dec"])) == ["enc"]
+    assert kept_names(ampkit.keep_fp32(model, "*c")) == ["enc"]
+    assert len(model.enc._forward_pre_hooks) == 1
+    x = torch.randn(2, 8)
+    with ampkit.autocast("cpu", dtype=BF16):
+        h = model.enc(x)
+        out = model(x)
+    assert h.dtype == F32 and out.dtype == BF16
+    with pytest.raises(ValueError, match=r"pattern 'decoder' matches no module.*'enc', 'dec'"):
+        ampkit.keep_fp32(model, ["decoder"])

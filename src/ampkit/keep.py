@@ -77,8 +77,9 @@ def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
     Args:
         model: the model.
         modules: module names or fnmatch patterns over ``model.named_modules()`` names
-            ("head", "blocks.*.ln_*"), nn.Module subclasses, a callable
-            ``(name, module) -> bool``, or a list of these; ``[]`` clears the selection.
+            ("head", "blocks.*.ln_*"; a module used under two names matches either),
+            nn.Module subclasses, a callable ``(name, module) -> bool``, or a list of
+            these; ``[]`` clears the selection.
 
     Returns:
         ``model``, with the selection replacing any earlier one.
@@ -160,17 +161,21 @@ def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[s
     real module names.
     """
     selectors = as_selectors(modules)
-    named = list(model.named_modules())  # the root first, named ""
+    # Every name of every module (one used twice, ``self.dec = self.enc``, has both),
+    # each selected under the one name ``named_modules()`` gives it: the selection, the
+    # hooks and FSDP's units see one name per module.
+    named = list(model.named_modules(remove_duplicate=False))  # the root first, named ""
+    canonical = {id(module): name for name, module in model.named_modules()}
     chosen: set[str] = set()
     for selector in selectors:
-        hits = {name for name, module in named if _matches(selector, name, module)}
+        hits = {canonical[id(module)] for name, module in named if _matches(selector, name, module)}
         if strict and not hits and isinstance(selector, str):
             examples = ", ".join(repr(name) for name, _ in named[1:7]) or "'' (the root; no submodules)"
             raise ValueError(f"keep_fp32: {_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or patterns over "
                              f"model.named_modules(), e.g. {examples}")
         chosen |= hits
-    return [name for name, _ in named if name in chosen]
+    return [name for name in canonical.values() if name in chosen]
 
 
 def as_selectors(modules: Modules) -> list[Selector]:
