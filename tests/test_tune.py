@@ -111,13 +111,38 @@ def test_bad_arguments_raise_before_training(kwargs, error, match):
 
 
 @pytest.mark.parametrize("inputs, error, match", [
-    (None, TypeError, r"inputs must be a tensor or a tuple holding tensors"),
-    ((), TypeError, r"inputs must be a tensor .* got tuple \(\)"),
+    (None, TypeError, r"inputs must be a tensor, or a tuple, list or dict holding tensors"),
+    ((), TypeError, r"inputs must be a tensor, .* got tuple \(\)"),
     (torch.empty(0, 16), ValueError, r"inputs hold no samples \(shape \(0, 16\)\)"),
 ])
 def test_empty_inputs_raise_before_training(inputs, error, match):
     with pytest.raises(error, match=match):
         ampkit.autotune(_model(), inputs, None)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every instance the same weights
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(z)
+
+
+def test_autotune_and_inspect_call_the_model_with_a_batch_by_one_rule():
+    """autotune refused a dict batch that inspect took, and inspect passed a list as one
+    argument where autotune unpacked it: a tuple or list is positional, a dict keywords."""
+    from ampkit.diagnose import inspect
+    torch.manual_seed(0)
+    x, z, y = torch.randn(8, 16), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    results = [ampkit.autotune(_TwoInputs(), batch, y, steps=3, candidates=["32-true"])
+               for batch in ((x, z), [x, z], {"x": x, "z": z})]
+    assert [r.policy for r in results] == ["32-true"] * 3
+    reports = [inspect(_TwoInputs(), batch, y, policy="bf16-mixed")
+               for batch in ((x, z), [x, z], {"z": z, "x": x})]
+    assert reports[0].ref_loss == reports[1].ref_loss == reports[2].ref_loss
+    assert reports[0].policy_loss == reports[1].policy_loss == reports[2].policy_loss
 
 
 # --- fp8, layer by layer -------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from ._batch import arguments, call_model
 from ._dtypes import autocast_default_dtype, default_device_type, device_policies
 from ._loss import check_target, default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
@@ -189,7 +190,8 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
 
     Args:
         model: the model (not modified: each candidate trains a deep copy).
-        inputs: the batch (a tensor or a tuple of them), moved to ``device``.
+        inputs: the batch, moved to ``device``: a tensor (``model(inputs)``), a tuple or
+            list (``model(*inputs)``) or a dict (``model(**inputs)``), as ``inspect``.
         target: the loss target; default loss: cross-entropy for an integer target, MSE for
             a floating one, ``output.float().mean()`` without one.
         loss_fn: ``loss_fn(output, target)`` instead of the default.
@@ -379,12 +381,11 @@ def check_candidate(name: Any) -> str:
 
 
 def _check_inputs(inputs: Any) -> None:
-    items = [inputs] if isinstance(inputs, Tensor) else (
-        list(inputs) if isinstance(inputs, (list, tuple)) else [])
-    tensors = [t for t in items if isinstance(t, Tensor)]
+    tensors = [t for t in arguments(inputs) if isinstance(t, Tensor)]
     if not tensors:
-        raise TypeError(f"inputs must be a tensor or a tuple holding tensors (the batch the "
-                        f"model is called with), got {type(inputs).__name__} {inputs!r:.80}")
+        raise TypeError(f"inputs must be a tensor, or a tuple, list or dict holding tensors "
+                        f"(the batch the model is called with), got {type(inputs).__name__} "
+                        f"{inputs!r:.80}")
     empty = [tuple(t.shape) for t in tensors if t.numel() == 0]
     if empty:
         raise ValueError(f"inputs hold no samples (shape {empty[0]}); valid: a batch of at "
@@ -440,7 +441,7 @@ class _Run:
     def _train(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]]) -> None:
         inputs, target = batch
         with self.autocast:
-            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+            output = call_model(self.model, inputs)
             loss = (loss_fn or default_loss)(output, target)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
@@ -474,6 +475,8 @@ def _to_device(value: Any, device: str) -> Any:
         return value.to(device)
     if isinstance(value, (list, tuple)):
         return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {key: _to_device(v, device) for key, v in value.items()}
     return value
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from .._batch import call_model
 from .._dtypes import autocast_default_dtype, capability, fp8_supported, iter_tensors
 from .._loss import default_loss
 from .._reference import check_fp32_model, fp32_model_hint
@@ -99,8 +100,9 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
 
     Args:
         model: an fp32 model (before ``initialize``/``convert_to_fp8``); only read.
-        inputs: the batch: a tensor (``model(inputs)``), a tuple (``model(*inputs)``) or
-            a dict (``model(**inputs)``), on the model's device; only read (detached).
+        inputs: the batch: a tensor (``model(inputs)``), a tuple or list
+            (``model(*inputs)``) or a dict (``model(**inputs)``), on the model's device;
+            only read (detached).
         target: the loss target (optional; only read).
         policy: any name ``get_policy`` takes (O0-O3, "O2-bf16", "bf16-mixed", ...), a
             Policy, or "fp8-tensorwise"/"fp8-delayed"/"fp8-rowwise" (Linear layers in fp8
@@ -228,14 +230,6 @@ def _detached(value: Any) -> Any:
     return value
 
 
-def _forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs)
-
-
 def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
     loss = (setup.loss_fn or default_loss)(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -261,7 +255,7 @@ def _reference_pass(model: nn.Module, inputs: Any, target: Any,
     handles = _install(work, table, setup, reference=True)
     try:
         with torch.enable_grad():
-            loss = _loss(_forward(work, inputs), target, setup)
+            loss = _loss(call_model(work, inputs), target, setup)
             _backward(loss)
     finally:
         for handle in handles:
@@ -279,7 +273,7 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
     counter = FlopCounter()
     try:
         with watch(work) as watcher, counter, torch.enable_grad():
-            loss = _loss(_forward(work, inputs), target, setup)
+            loss = _loss(call_model(work, inputs), target, setup)
             # As GradScaler.scale does; the gradient comparison divides the scale out.
             _backward(loss, setup.loss_scale)
     finally:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from .._batch import call_model
 from ..autocast import autocast
 from .config import Float8Config, Recipe
 from .convert import ModuleFilter, eligible_linears
@@ -70,7 +71,8 @@ def time_fp8_layers(model: nn.Module, inputs: Any, *,
 
     Args:
         model: the model (not modified).
-        inputs: its input, a tensor or a tuple of positional arguments.
+        inputs: its input, as ``ampkit._batch.call_model`` passes it (a tensor, a tuple or
+            list of positional arguments, a dict of keyword ones).
         recipe: the fp8 recipe timed (as ``convert_to_fp8`` takes it).
         module_filter: as in ``convert_to_fp8``: False leaves a layer out.
         repeats, warmup: timed and untimed calls per layer and dtype.
@@ -117,7 +119,7 @@ def _rows_seen(model: nn.Module, inputs: Any, layers: list[tuple[str, nn.Linear]
     handles = [layer.register_forward_pre_hook(record(name)) for name, layer in layers]
     try:
         with torch.no_grad(), autocast(device.type, dtype=torch.bfloat16):
-            model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            call_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
