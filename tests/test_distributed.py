@@ -255,6 +255,26 @@ def test_shard_keeps_tied_layers_in_one_group(one_rank):
     assert not is_sharded(model) and _fsdp_modules(model) == []  # refused before any change
 
 
+@pytest.mark.parametrize("policy", ["O3", "16-true"])
+def test_a_pure_half_shard_refusing_tied_groups_leaves_the_model_fp32(one_rank, policy):
+    """The pure-half cast ran before the tied-weight check: the refused model was fp16,
+    and a retry under a master-weight policy silently stepped fp16 parameters."""
+    model = _tied()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is shared with '2.weight'"):
+        shard(model, policy, modules=["0", "1"])
+    assert [p.dtype for p in model.parameters()] == [F32] * 3 and not is_sharded(model)
+
+
+def test_a_modules_pattern_matching_only_an_empty_container_is_refused(one_rank):
+    """An empty ModuleList stands for its (no) children: the pattern selected nothing,
+    and the model was sharded as one root group without a word."""
+    model = nn.Sequential(nn.ModuleList(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"modules='0' matches only empty containers \('0'\), "
+                                         r"which stand for their children.*valid:.*'1'"):
+        shard(model, "O2", modules=["0"])
+    assert _fsdp_modules(model) == [] and model[1].weight.dtype == F32
+
+
 def test_shard_refuses_a_model_without_blocks_a_sharded_or_initialized_one(one_rank):
     flat = _Flat()
     with pytest.raises(ValueError, match=r"_Flat has no blocks to shard one by one.*valid: "

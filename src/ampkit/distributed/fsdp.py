@@ -115,14 +115,15 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
     kept = _fp32_units(model, pol)
     api = fsdp2()
     half_mp, fp32_mp, root_mp = _unit_policies(pol)
+    units = _ordered_units(blocks, kept)
+    _check_shared(model, [name for name, _ in units])
+    # Nothing was modified above this line.
     if pol.param_dtype in HALF_DTYPES and not pol.master_weights:
         # Pure-half policies (O3, "16-true"): the sharded parameters, which the optimizer
         # steps, are half themselves; fp32 modules and (if kept) batch norm stay fp32.
         cast_model(model, pol.param_dtype,
                    keep_fp32=BATCHNORM_TYPES if pol.keep_batchnorm_fp32 else (),
                    keep_modules=keep.kept_modules(model))
-    units = _ordered_units(blocks, kept)
-    _check_shared(model, [name for name, _ in units])
     if fp8_all_gather:
         gather_in_fp8(model, groups=[name for name, _ in units])
     for name, fp32 in units:
@@ -178,6 +179,11 @@ def _select_blocks(model: nn.Module, modules: Optional[Modules]) -> list[str]:
             raise ValueError(f"shard: modules={_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or fnmatch patterns over "
                              f"model.named_modules(), e.g. {_examples(named)}")
+        if not any(_without_containers(model, name) for name in hits):
+            raise ValueError(f"shard: modules={_describe(selector)} matches only empty "
+                             f"containers ({', '.join(repr(n) for n in hits[:4])}), which stand "
+                             "for their children and hold none to shard; valid: names or "
+                             f"patterns of modules with parameters, e.g. {_examples(named)}")
         names += hits
     return _outermost(model, names)
 
