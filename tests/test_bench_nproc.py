@@ -120,6 +120,37 @@ def test_a_rank_that_fails_is_named_on_one_line(tmp_path, capsys, monkeypatch):
     assert "rank one is out of luck" in lines[0] and lines[0].endswith("(rank 1)")
 
 
+def _torchrun_report(root: tuple[int, int], others: list[tuple[int, int]]) -> str:
+    """torchrun's failure report (the layout of torch 2.5-2.13), root cause last."""
+    def entry(i: int, rank: int, code: int) -> str:
+        return (f"[{i}]:\n  time      : 2026-12-02_04:27:47\n  host      : localhost\n"
+                f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: 1)\n"
+                f"  error_file: <N/A>\n")
+    failures = "".join(entry(i + 1, *f) for i, f in enumerate(others)) or "  <NO_OTHER_FAILURES>\n"
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+            f"====\nampkit.bench.parallel FAILED\n----\nFailures:\n{failures}----\n"
+            f"Root Cause (first observed failure):\n{entry(0, *root)}====\n")
+
+
+@pytest.mark.parametrize("root, others, expected", [
+    # rank 1 killed mid-training: rank 0's next collective fails (its error file), then
+    # torchrun stops it. The error file is a consequence; rank 1 is the cause.
+    ((1, -9), [(0, -15)], "rank 1 died: killed by SIGKILL"),
+    ((0, 1), [(1, 3)], "rank 1 died: exit status 3"),  # observed after rank 0: still the cause
+    ((1, 1), [(0, -15)], "rank 0 failed: RuntimeError: Connection reset by peer"),
+])
+def test_a_rank_dying_mid_training_is_named_not_the_rank_its_death_broke(tmp_path, root,
+                                                                           others, expected):
+    """A rank killed once collectives had begun was reported as the surviving rank's
+    'Connection reset by peer': any error file won over torchrun's report of a death."""
+    from ampkit.bench import launch
+    launch.write_rank_error(str(tmp_path), 0, RuntimeError("Connection reset by peer"))
+    if root == (1, 1):  # rank 1 raised too (it wrote its file), only later
+        launch.write_rank_error(str(tmp_path), 1, ValueError("later"))
+    message, usage = launch._failure(str(tmp_path), _torchrun_report(root, others), 1)
+    assert (message, usage) == (expected, False)
+
+
 @pytest.mark.slow
 @needs_two_cores
 def test_a_rank_killed_by_a_signal_is_named(tmp_path):

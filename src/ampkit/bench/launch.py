@@ -121,20 +121,42 @@ def _failure(folder: str, log: str, status: int) -> tuple[str, bool]:
         if name.startswith("error-rank"):
             with open(os.path.join(folder, name)) as src:
                 errors.append(json.load(src))
+    # A rank that died without Python's help (a signal, os._exit, the OOM killer) leaves no
+    # file, while the ranks it left behind fail in their next collective ("Connection reset
+    # by peer") and do leave one: it is the cause. torchrun's own stop of the ranks still
+    # running after a failure (SIGTERM) is not.
+    written = {int(error["rank"]) for error in errors}
+    deaths = [(rank, code) for rank, code in _torchrun_failures(log)
+              if rank not in written and code not in (0, -signal.SIGTERM)]
+    if deaths:
+        rank, code = deaths[0]
+        return f"rank {rank} died: {_exit_reason(code)}", False
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the others failed because it did
         if first.get("usage"):
             return f"{first['message']} (rank {first['rank']})", True
         return f"rank {first['rank']} failed: {first['error']}", False
-    # No error file: the rank died without Python's help (a signal, os._exit, the OOM killer);
-    # torchrun's report names the first that did under "Root Cause".
-    root = log[log.find("Root Cause"):] if "Root Cause" in log else ""
-    rank = re.search(r"\brank\s*:\s*(\d+)", root)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
-    if rank and code:
-        return f"rank {rank.group(1)} died: {_exit_reason(int(code.group(1)))}", False
+    failures = _torchrun_failures(log)
+    if failures:
+        rank, code = failures[0]
+        return f"rank {rank} died: {_exit_reason(code)}", False
     last = (log.strip().splitlines() or ["no output"])[-1]
     return f"torchrun exited with status {status}: {' '.join(last.split())}", False
+
+
+def _torchrun_failures(log: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of each failed rank in torchrun's report, its "Root Cause" (the
+    first failure it observed) first."""
+    failures = re.findall(r"\brank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)",
+                          log[log.find("Failures:"):] if "Failures:" in log else "", re.DOTALL)
+    root = log.find("Root Cause")
+    ranked = [(int(rank), int(code)) for rank, code in failures]
+    if root >= 0:
+        cause = re.search(r"\brank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log[root:], re.DOTALL)
+        if cause:
+            first = (int(cause.group(1)), int(cause.group(2)))
+            ranked = [first] + [f for f in ranked if f != first]
+    return ranked
 
 
 def _exit_reason(code: int) -> str:
