@@ -558,6 +558,19 @@ def test_emulation_warns_once_per_device_type():
         Float8Linear(32, 16, config=Float8Config(emulate=True))(torch.randn(2, 32))
 
 
+def test_the_emulation_warning_suggests_the_layers_own_recipe():
+    """It always suggested Float8Config("tensorwise", emulate=True): following it turned a
+    delayed (or rowwise) model into a tensorwise one."""
+    _warn.forget()
+    for recipe in ("delayed", "rowwise"):
+        with pytest.warns(UserWarning) as rec:
+            Float8Linear(32, 16, config=Float8Config(recipe))(torch.randn(2, 32))
+        assert [str(w.message).split("Pass ")[1] for w in rec] == [
+            f"convert_to_fp8(model, recipe=Float8Config('{recipe}', emulate=True)) (with any "
+            "other settings of yours) to silence this."]
+    _warn.forget()
+
+
 def test_emulate_false_without_fp8_hardware_raises():
     layer = Float8Linear(32, 16, config=Float8Config(emulate=False))
     with pytest.raises(RuntimeError, match=r"Float8Config\(emulate=False\) needs fp8 tensor cores, "

@@ -211,14 +211,14 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None, None
 
 
-def _warn_emulation_once(device: torch.device) -> None:
+def _warn_emulation_once(device: torch.device, recipe: str) -> None:
     if device.type == "meta":
         return
-    warn_once(("fp8-linear-emulation", device.type),
+    warn_once(("fp8-linear-emulation", device.type, recipe),
               f"ampkit.fp8: no fp8 tensor cores on {device.type!r}; Float8Linear emulates "
               "fp8 matmuls there (same numerics, no speed-up). Pass "
-              "convert_to_fp8(model, recipe=Float8Config(\"tensorwise\", emulate=True)) "
-              "to silence this.")
+              f"convert_to_fp8(model, recipe=Float8Config({recipe!r}, emulate=True)) (with "
+              "any other settings of yours) to silence this.")
 
 
 class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
@@ -328,7 +328,7 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
             # Dynamo cannot trace warnings.warn; resolution normally happens in eager
             # code anyway (construction, .to(), the first eager forward).
             if not self._native and self.config.emulate is None and not is_compiling():
-                _warn_emulation_once(device)
+                _warn_emulation_once(device, self.config.recipe.value)
         return self._native
 
     @property
