@@ -244,6 +244,19 @@ def test_check_fp8_attention_reasons():
     assert "shapes" in check_fp8_attention(q, k, v[:, :, :5])
 
 
+def test_a_one_element_tensor_scale_is_taken_as_torch_takes_it():
+    """Inside fp8_attention a model passing scale=torch.tensor(0.1), which torch's own
+    attention takes, raised 'scale must be None or a float'."""
+    q, k, v = qkv()
+    expected = scaled_dot_product_attention(q, k, v, scale=0.125, emulate=True)
+    with fp8_attention(emulate=True):
+        got = F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.125))
+    assert torch.equal(got, expected)
+    assert check_fp8_attention(q, k, v, scale=torch.tensor([0.125])) is None
+    with pytest.raises(TypeError, match=r"scale must be None or a float, got Tensor"):
+        check_fp8_attention(q, k, v, scale=torch.tensor([0.1, 0.2]))
+
+
 def test_check_fp8_attention_takes_the_arguments_of_torchs_function():
     """is_causal and scale (which do not keep a call from fp8) were refused as unexpected
     keywords, and a positional sixth argument was read as enable_gqa."""

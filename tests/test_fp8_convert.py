@@ -84,12 +84,72 @@ def test_bare_linear_is_returned_converted(caplog):
     ({"recipe": Float8Config}, TypeError, r"recipe must be a recipe name, a Recipe or a Float8Config"),
     ({"module_filter": "up"}, TypeError,
      r"module_filter must be a callable \(module, fqn\) -> bool or None, got 'up'"),
+    ({"module_filter": lambda fqn: True}, TypeError,  # was Python's raw arity error, mid-plan
+     r"module_filter <function .*> cannot be called with \(module, fqn\): too many positional"
+     r" arguments; valid: a callable \(module, fqn\) -> bool, or None"),
 ])
 def test_bad_arguments_raise_before_any_swap(kwargs, error, match):
     model = make_model()
     with pytest.raises(error, match=match):
         convert_to_fp8(model, **kwargs)
     assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_a_bare_linear_keeps_its_hooks_and_o2s_fp32_state_dict():
+    """The bare-Linear path returned a new layer without the old one's hooks: a user's
+    forward hook stopped firing, and after an O2 initialize state_dict() was bf16."""
+    import ampkit
+    linear = nn.Linear(32, 16)
+    optimizer = torch.optim.SGD(linear.parameters(), lr=0.1)
+    ampkit.initialize(linear, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    calls = []
+    linear.register_forward_hook(lambda *args: calls.append(1))
+    fp8 = convert_to_fp8(linear, recipe=EMU["tensorwise"])
+    assert {k: v.dtype for k, v in fp8.state_dict().items()} == {
+        "weight": torch.float32, "bias": torch.float32}
+    fp8(torch.randn(2, 32, dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("bare", [False, True])
+def test_a_layer_whose_weight_a_hook_computes_is_left_as_it_is(how, bare, caplog):
+    """A pruned (or hook-based weight_norm / spectral_norm) Linear is still exactly
+    nn.Linear, with a plain-tensor weight: the swap failed after earlier layers were
+    swapped (a half-converted model), and would have dropped the mask."""
+    import warnings
+
+    import torch.nn.utils.prune as prune
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation
+        if how == "prune":
+            prune.l1_unstructured(model[1], "weight", amount=0.5)
+        else:
+            getattr(torch.nn.utils, how)(model[1])
+    params = {name for name, _ in model[1].named_parameters()}
+    target = model[1] if bare else model
+    with caplog.at_level(logging.INFO, logger="ampkit.fp8"):
+        out = convert_to_fp8(target, recipe=EMU["tensorwise"])
+    assert out is target and type(model[1]) is nn.Linear
+    assert {name for name, _ in model[1].named_parameters()} == params  # weight_orig, ...
+    assert "its weight is not a Parameter but computed by a hook" in caplog.text
+    assert isinstance(model[0], Float8Linear) != bare
+    model(torch.randn(4, 32))
+
+
+def test_a_filter_splitting_one_layer_between_its_names_is_refused():
+    """One layer in two slots, accepted under one name and refused under the other,
+    became two layers sharing hook tables (a hook on one fired on the other)."""
+    model = nn.Module()
+    model.shared = model.alias = nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"one layer is used as 'shared' and 'alias', and "
+                                         r"module_filter accepts 'shared' but refuses 'alias'"):
+        convert_to_fp8(model, module_filter=lambda module, fqn: fqn != "alias")
+    assert type(model.shared) is nn.Linear and model.shared is model.alias
+    convert_to_fp8(model, recipe=EMU["tensorwise"])  # every name accepted: one layer
+    assert isinstance(model.shared, Float8Linear) and model.shared is model.alias
 
 
 def test_failing_filter_leaves_model_untouched():

@@ -58,7 +58,8 @@ def test_faster_layers_are_those_fp8_beat_by_the_margin():
     assert timings[0].speedup == 2.0 and timings[0].to_dict()["speedup"] == 2.0
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_bad_repeats_are_refused_before_running(bad):
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                        (True, TypeError)])
+def test_bad_repeats_are_refused_before_running(bad, error):
+    with pytest.raises(error, match=f"repeats must be an int >= 1, got .*{bad!r}"):
         time_fp8_layers(Net(), torch.randn(2, 8, 32), recipe=EMU, repeats=bad)

@@ -94,9 +94,13 @@ def _check_flags(is_causal: Any, scale: Any, enable_gqa: Any) -> None:
     """Raise TypeError for a non-bool flag or a scale that is not None or a real number."""
     check_bool("is_causal", is_causal)
     check_bool("enable_gqa", enable_gqa)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+    one_number = (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                  and not scale.is_complex() and scale.dtype is not torch.bool)
+    if scale is not None and not one_number and (isinstance(scale, bool)
+                                                 or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be None or a float, got {type(scale).__name__} {scale!r}; "
-                        "valid: None (1/sqrt(head_dim)) or a real number")
+                        "valid: None (1/sqrt(head_dim)), a real number, or a one-element "
+                        "real tensor (as torch takes it)")
 
 
 def _why_not(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor], dropout_p: float,

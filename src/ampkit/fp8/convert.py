@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable, Optional, Union
 
@@ -26,6 +27,14 @@ def _skip_reason(module: nn.Linear, fqn: str, module_filter: Optional[ModuleFilt
     reason = check_fp8_dims(module.in_features, module.out_features)
     if reason is not None:
         return reason
+    computed = [name for name in ("weight", "bias")
+                if getattr(module, name) is not None
+                and not isinstance(getattr(module, name), nn.Parameter)]
+    if computed:
+        # torch.nn.utils.prune, weight_norm, spectral_norm (the hook-based ones) recompute
+        # it before each forward from parameters of their own, which a swap would drop.
+        return (f"its {computed[0]} is not a Parameter but computed by a hook (pruning, "
+                "weight_norm, spectral_norm)")
     if module_filter is not None and not module_filter(module, fqn):
         return "refused by module_filter"
     return None
@@ -37,6 +46,7 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
     swaps: list[tuple[nn.Module, str, nn.Linear]] = []
     skips: list[tuple[str, str]] = []
     kept = {id(m) for m in kept_modules(model)}
+    decided: dict[int, dict[str, bool]] = {}  # per layer: fqn -> swapped
     for parent_name, parent in model.named_modules():
         # Not named_children(): that skips a layer placed in two slots.
         for name, child in local_modules(parent).items():
@@ -49,6 +59,15 @@ def _plan(model: nn.Module, module_filter: Optional[ModuleFilter]
                 swaps.append((parent, name, child))
             else:
                 skips.append((fqn, reason))
+            decided.setdefault(id(child), {})[fqn] = reason is None
+    split = next((names for names in decided.values() if len(set(names.values())) > 1), None)
+    if split is not None:
+        taken = [name for name, swap in split.items() if swap]
+        left = [name for name, swap in split.items() if not swap]
+        raise ValueError(f"convert_to_fp8: one layer is used as {taken[0]!r} and {left[0]!r}, "
+                         f"and module_filter accepts {taken[0]!r} but refuses {left[0]!r}: the "
+                         "swap would make two layers of it; valid: a module_filter that decides "
+                         "alike for every name of a layer")
     return swaps, skips
 
 
@@ -114,9 +133,7 @@ def convert_to_fp8(model: nn.Module, *,
     config = Float8Config.coerce(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
-    if module_filter is not None and not callable(module_filter):
-        raise TypeError(f"module_filter must be a callable (module, fqn) -> bool or None, "
-                        f"got {module_filter!r}")
+    _check_filter(module_filter)
     if isinstance(model, nn.Linear) and not isinstance(model, Float8Linear):
         reason = _skip_reason(model, "", module_filter)
         if reason is not None:
@@ -124,7 +141,9 @@ def convert_to_fp8(model: nn.Module, *,
                         type(model).__name__, reason)
             return model
         _check_devices(config, [model])
-        return _histories_per_rank(Float8Linear.from_linear(model, config))
+        converted = Float8Linear.from_linear(model, config)
+        move_hooks(model, converted)  # as for a nested layer (O2's fp32 state-dict hooks)
+        return _histories_per_rank(converted)
     _refuse_other_recipes(model, config, module_filter)
     swaps, skips = _plan(model, module_filter)
     _check_devices(config, [linear for _, _, linear in swaps])
@@ -140,6 +159,24 @@ def convert_to_fp8(model: nn.Module, *,
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
                 len(converted), config.short, len(skips))  # a layer in two slots counts once
     return _histories_per_rank(model)
+
+
+def _check_filter(module_filter: Any) -> None:
+    if module_filter is None:
+        return
+    valid = "valid: a callable (module, fqn) -> bool, or None"
+    if not callable(module_filter):
+        raise TypeError(f"module_filter must be a callable (module, fqn) -> bool or None, "
+                        f"got {module_filter!r}")
+    try:
+        signature = inspect.signature(module_filter)
+    except (TypeError, ValueError):  # a builtin without one: called as it is
+        return
+    try:
+        signature.bind(None, "")
+    except TypeError as err:
+        raise TypeError(f"module_filter {module_filter!r} cannot be called with (module, fqn): "
+                        f"{err}; {valid}") from None
 
 
 def _histories_per_rank(model: nn.Module) -> nn.Module:

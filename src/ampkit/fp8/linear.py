@@ -235,7 +235,8 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     an input or gradient makes NaN every value cast with its scale (the whole tensor; its
     row or column under rowwise), never finite but wrong; under the delayed recipe, past
     its first step, the scale comes from the history, so only the products that meet it
-    are NaN, and its amax does not enter the history. The delayed
+    are NaN, and its amax does not enter the history (which still moves one step: the
+    newest finite amax is entered again in its place). The delayed
     recipe keeps its amax histories in non-persistent buffers, so ``state_dict`` holds
     exactly nn.Linear's ``weight`` and ``bias``; ``fp8_state_dict`` saves them to resume
     exactly. Its first training forward scales by the tensors' own amax (the histories

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .._batch import call_model
+from .._checks import check_int
 from ..autocast import autocast
 from .config import Float8Config, Recipe
 from .convert import ModuleFilter, eligible_linears
@@ -81,10 +82,8 @@ def time_fp8_layers(model: nn.Module, inputs: Any, *,
         One LayerTiming per eligible layer that ran in the forward, in module order.
     """
     config = Float8Config.coerce(recipe)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_int("repeats", repeats, 1)
+    check_int("warmup", warmup, 0)
     layers = eligible_linears(model, module_filter)
     rows = _rows_seen(model, inputs, layers)
     out = []
