@@ -284,6 +284,63 @@ def test_an_overflow_in_a_closure_skips_that_step_leaving_weights_and_state(leve
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
 
 
+class _Sam(torch.optim.Optimizer):
+    """Sharpness-aware minimisation's step: perturb the weights along the gradient, take
+    the gradient there from the closure, step the unperturbed weights with it."""
+
+    def __init__(self, params, lr: float = 0.1, rho: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure):
+        eps = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                eps.append(group["rho"] * p.grad / (p.grad.norm() + 1e-12))
+                p.add_(eps[-1])
+        with torch.enable_grad():
+            self.zero_grad()
+            loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p, e in zip(params, eps):
+            p.sub_(e)
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+        return loss
+
+
+@pytest.mark.parametrize("level", [None, "O0", "O2"])
+def test_an_optimizer_that_works_before_its_closure_trains_as_without_ampkit(level):
+    """The closure was evaluated ahead of the optimizer's step (to make an overflow there a
+    skip): SAM, which perturbs the weights first, got a stale loss and no gradients."""
+    import ampkit
+    runs = []
+    for use_ampkit in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        optimizer = _Sam(model.parameters())
+        if use_ampkit and level is not None:
+            model, optimizer = ampkit.initialize(model, optimizer, opt_level=level,
+                                                 half_dtype=torch.bfloat16, verbosity=0)
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+        seen = []
+
+        def closure():
+            seen.append(model[0].weight.detach().clone())
+            loss = ((model(x).float() - y) ** 2).mean()
+            loss.backward()
+            return loss
+        for _ in range(2):
+            optimizer.zero_grad()
+            closure()
+            optimizer.step(closure)
+        runs.append((seen, [p.detach().clone() for p in model.parameters()]))
+    if level in (None, "O0"):  # fp32 throughout: bitwise what torch does
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert len(runs[1][0]) == 4 and not torch.equal(runs[1][0][0], runs[1][0][1])  # perturbed
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_overflow_inside_a_closure_reaches_no_weight(level):
     """The closure's scale_loss flagged the overflow for the next step() while the current

@@ -7,7 +7,7 @@
 
 - ``step``: a no-op after an overflow that ``scale_loss`` found (params, masters and
   optimizer state untouched; the grads are dropped), also one found in the first
-  evaluation of ``step(closure)``'s closure, which runs first. Otherwise the model's half
+  evaluation of a torch optimizer's ``step(closure)``. Otherwise the model's half
   gradients move into the fp32 masters, the inner step runs (a fused optimizer gets
   scale_loss's found-inf and skips on the device), and the masters are copied back into
   the model.
@@ -228,21 +228,21 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash: AmpStash = getattr(self, ATTR)
     if _skips(self, stash):
         return None  # step(closure) is not evaluated: the skip was decided before it
-    loss: Any = None
-    closure = _closure_in(args, kwargs)
-    if closure is not None:
-        # Evaluated here, before the optimizer's own step: an overflow its scale_loss finds
-        # makes this very step a skip, exactly as one found before a step without closure.
-        loss, args, kwargs = _evaluate_first(self, stash, closure, args, kwargs)
-        if _skips(self, stash):
-            return loss
     masters = stash.masters
     if masters is not None:
         masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
-    if stash.found_inf is not None:
-        result = _fused_step(self, stash, args, kwargs)
-    else:
-        result = stash.inner_step(*args, **kwargs)
+    closure = _closure_in(args, kwargs)
+    if closure is not None:
+        args, kwargs = _checked_closure(self, stash, closure, args, kwargs)
+    try:
+        if stash.found_inf is not None:
+            result = _fused_step(self, stash, args, kwargs)
+        else:
+            result = stash.inner_step(*args, **kwargs)
+    except _SkippedInClosure as skipped:
+        # The closure's first evaluation overflowed, before the optimizer changed anything.
+        self.zero_grad(set_to_none=True)
+        return skipped.loss
     if masters is not None:
         masters.copy_to_model()
         # Consumed, as apex did: code that zeroes only the model's grads
@@ -276,43 +276,64 @@ def _closure_in(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
     return closure if callable(closure) else None
 
 
-def _evaluate_first(optimizer: torch.optim.Optimizer, stash: AmpStash,
-                    closure: Callable[[], Any], args: tuple, kwargs: dict
-                    ) -> tuple[Any, tuple, dict]:
-    """``step(closure)``: the closure's first evaluation, and the closure to hand the
-    optimizer, which returns that first loss when it calls it first.
+class _SkippedInClosure(Exception):
+    """Raised out of the first evaluation of a closure that overflowed, through a torch
+    optimizer's step (which evaluates its closure before it changes anything)."""
 
-    An optimizer such as LBFGS evaluates the closure again after changing the params:
-    before each later evaluation the half model follows the masters (O2), or every
-    evaluation would see the weights the step began with; after each, the gradients a
-    plain ``backward()`` left on the half model move into the masters the optimizer
-    reads. An overflow a later evaluation's ``scale_loss`` finds concerns this step, which
-    has changed the params already: its inf/NaN grads are zeroed before the optimizer
-    reads them (LBFGS then ends the step; nothing non-finite reaches a weight).
+    def __init__(self, loss: Any) -> None:
+        super().__init__("the closure's scale_loss found an overflow")
+        self.loss = loss
+
+
+def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's own optimizers call the closure before they read or change anything
+    (LBFGS: after two setdefaults of its counters); another one may not (SAM perturbs
+    the weights first), so its step cannot be abandoned half-way."""
+    return type(optimizer).__module__.startswith("torch.optim.")
+
+
+def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash,
+                     closure: Callable[[], Any], args: tuple, kwargs: dict
+                     ) -> tuple[tuple, dict]:
+    """``step(closure)``'s closure, made safe for an optimizer that calls it inside the step.
+
+    Before each evaluation the half model follows the masters (O2), or an optimizer that
+    evaluates it again after changing the params (LBFGS) would see the weights the step
+    began with; after each, the gradients a plain ``backward()`` left on the half model
+    move into the masters the optimizer reads. A fused optimizer's found-inf flag from the
+    closure's ``scale_loss`` is read on the host (a closure's step is synchronous anyway).
+    An overflow in the first evaluation makes the step of a torch optimizer (which has
+    changed nothing yet) a skip, as an overflow found before ``step()`` does; otherwise
+    (a later evaluation, another optimizer) the inf/NaN grads are zeroed before the
+    optimizer reads them: LBFGS then ends the step, and nothing non-finite reaches a weight.
     """
     masters = stash.masters
-    with torch.enable_grad():  # as the optimizer would call it: step runs under no_grad
-        first = [closure()]
+    calls = [0]
 
     def evaluate() -> Any:
-        if first:
-            return first.pop()
         if masters is not None:
             masters.copy_to_model()
         loss = closure()
         if masters is not None:
             masters.move_grads()
-        if stash.skip_next:
-            stash.skip_next = False
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.zero_()
+        if stash.found_inf is not None:
+            found_inf, stash.found_inf = stash.found_inf, None
+            stash.skip_next = stash.skip_next or bool(found_inf.item())
+        calls[0] += 1
+        if not stash.skip_next:
+            return loss
+        stash.skip_next = False
+        if calls[0] == 1 and _evaluates_closure_first(optimizer):
+            raise _SkippedInClosure(loss)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.zero_()
         return loss
     if "closure" in kwargs:
-        return first[0], args, dict(kwargs, closure=evaluate)
-    return first[0], (evaluate, *args[1:]), kwargs
+        return args, dict(kwargs, closure=evaluate)
+    return (evaluate, *args[1:]), kwargs
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, stash: AmpStash, args: tuple,
