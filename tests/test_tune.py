@@ -111,7 +111,7 @@ def test_bad_arguments_raise_before_training(kwargs, error, match):
 
 
 @pytest.mark.parametrize("inputs, error, match", [
-    (None, TypeError, r"inputs must be a tensor, or a tuple, list or dict holding tensors"),
+    (None, TypeError, r"inputs must be a tensor, a list of them, or a tuple or dict holding "),
     ((), TypeError, r"inputs must be a tensor, .* got tuple \(\)"),
     (torch.empty(0, 16), ValueError, r"inputs hold no samples \(shape \(0, 16\)\)"),
 ])
@@ -131,18 +131,24 @@ class _TwoInputs(nn.Module):
 
 
 def test_autotune_and_inspect_call_the_model_with_a_batch_by_one_rule():
-    """autotune refused a dict batch that inspect took, and inspect passed a list as one
-    argument where autotune unpacked it: a tuple or list is positional, a dict keywords."""
+    """autotune refused a dict batch that inspect took: a tuple is positional, a dict
+    keywords, and a list one argument (a detection model's list of images)."""
     from ampkit.diagnose import inspect
-    torch.manual_seed(0)
     x, z, y = torch.randn(8, 16), torch.randn(8, 8), torch.randint(0, 4, (8,))
     results = [ampkit.autotune(_TwoInputs(), batch, y, steps=3, candidates=["32-true"])
-               for batch in ((x, z), [x, z], {"x": x, "z": z})]
-    assert [r.policy for r in results] == ["32-true"] * 3
+               for batch in ((x, z), {"x": x, "z": z})]
+    assert [r.policy for r in results] == ["32-true"] * 2
     reports = [inspect(_TwoInputs(), batch, y, policy="bf16-mixed")
-               for batch in ((x, z), [x, z], {"z": z, "x": x})]
-    assert reports[0].ref_loss == reports[1].ref_loss == reports[2].ref_loss
-    assert reports[0].policy_loss == reports[1].policy_loss == reports[2].policy_loss
+               for batch in ((x, z), {"z": z, "x": x})]
+    assert reports[0].ref_loss == reports[1].ref_loss
+    assert reports[0].policy_loss == reports[1].policy_loss
+    listed = inspect(_OneList(), [x, z], y, policy="bf16-mixed")  # one argument, not two
+    assert listed.ref_loss == reports[0].ref_loss
+
+
+class _OneList(_TwoInputs):
+    def forward(self, xs: list) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(*xs)
 
 
 # --- fp8, layer by layer -------------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ._batch import arguments, call_model
-from ._dtypes import autocast_default_dtype, default_device_type, device_policies
+from ._batch import call_model
+from ._dtypes import autocast_default_dtype, default_device_type, device_policies, iter_tensors
 from ._loss import check_target, default_loss
 from ._measure import MemoryMeter, synchronize, time_steps
 from ._reference import check_fp32_model
@@ -190,8 +190,9 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
 
     Args:
         model: the model (not modified: each candidate trains a deep copy).
-        inputs: the batch, moved to ``device``: a tensor (``model(inputs)``), a tuple or
-            list (``model(*inputs)``) or a dict (``model(**inputs)``), as ``inspect``.
+        inputs: the batch, moved to ``device``: a tuple (``model(*inputs)``), a dict
+            (``model(**inputs)``) or anything else, a tensor or a list (``model(inputs)``),
+            as ``inspect`` takes it.
         target: the loss target; default loss: cross-entropy for an integer target, MSE for
             a floating one, ``output.float().mean()`` without one.
         loss_fn: ``loss_fn(output, target)`` instead of the default.
@@ -381,11 +382,11 @@ def check_candidate(name: Any) -> str:
 
 
 def _check_inputs(inputs: Any) -> None:
-    tensors = [t for t in arguments(inputs) if isinstance(t, Tensor)]
+    tensors = list(iter_tensors(inputs))
     if not tensors:
-        raise TypeError(f"inputs must be a tensor, or a tuple, list or dict holding tensors "
-                        f"(the batch the model is called with), got {type(inputs).__name__} "
-                        f"{inputs!r:.80}")
+        raise TypeError(f"inputs must be a tensor, a list of them, or a tuple or dict holding "
+                        f"tensors (the batch the model is called with), got "
+                        f"{type(inputs).__name__} {inputs!r:.80}")
     empty = [tuple(t.shape) for t in tensors if t.numel() == 0]
     if empty:
         raise ValueError(f"inputs hold no samples (shape {empty[0]}); valid: a batch of at "

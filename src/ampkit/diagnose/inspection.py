@@ -100,8 +100,8 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
 
     Args:
         model: an fp32 model (before ``initialize``/``convert_to_fp8``); only read.
-        inputs: the batch: a tensor (``model(inputs)``), a tuple or list
-            (``model(*inputs)``) or a dict (``model(**inputs)``), on the model's device;
+        inputs: the batch: a tuple (``model(*inputs)``), a dict (``model(**inputs)``) or
+            anything else, a tensor or a list (``model(inputs)``), on the model's device;
             only read (detached).
         target: the loss target (optional; only read).
         policy: any name ``get_policy`` takes (O0-O3, "O2-bf16", "bf16-mixed", ...), a

@@ -64,7 +64,7 @@ def time_fp8_layers(model: nn.Module, inputs: Any, *,
                     warmup: int = 3) -> list[LayerTiming]:
     """Time each fp8-eligible Linear of ``model`` alone, in bf16 and in fp8.
 
-    One forward of ``model(inputs)`` under bf16 autocast and ``torch.no_grad`` records
+    One forward of the model on ``inputs`` under bf16 autocast and ``torch.no_grad`` records
     the rows each layer receives; the model's parameters, buffers (batch-norm statistics)
     and RNG state are left as they were. Each layer is then timed on copies of its
     weights: a random input of that shape, forward and backward, ``warmup`` untimed then
@@ -72,8 +72,8 @@ def time_fp8_layers(model: nn.Module, inputs: Any, *,
 
     Args:
         model: the model (not modified).
-        inputs: its input, as ``ampkit._batch.call_model`` passes it (a tensor, a tuple or
-            list of positional arguments, a dict of keyword ones).
+        inputs: its input: a tuple of positional arguments (``model(*inputs)``), a dict
+            of keyword ones (``model(**inputs)``), or one argument (``model(inputs)``).
         recipe: the fp8 recipe timed (as ``convert_to_fp8`` takes it).
         module_filter: as in ``convert_to_fp8``: False leaves a layer out.
         repeats, warmup: timed and untimed calls per layer and dtype.
