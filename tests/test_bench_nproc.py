@@ -136,7 +136,9 @@ def _torchrun_report(root: tuple[int, int], others: list[tuple[int, int]]) -> st
     # rank 1 killed mid-training: rank 0's next collective fails (its error file), then
     # torchrun stops it. The error file is a consequence; rank 1 is the cause.
     ((1, -9), [(0, -15)], "rank 1 died: killed by SIGKILL"),
-    ((0, 1), [(1, 3)], "rank 1 died: exit status 3"),  # observed after rank 0: still the cause
+    # a rank aborted after another's error (NCCL's watchdog): the error is the cause
+    ((0, 1), [(1, -6)], "rank 0 failed: RuntimeError: Connection reset by peer"),
+    ((1, 3), [(0, 1)], "rank 1 died: exit status 3"),
     ((1, 1), [(0, -15)], "rank 0 failed: RuntimeError: Connection reset by peer"),
 ])
 def test_a_rank_dying_mid_training_is_named_not_the_rank_its_death_broke(tmp_path, root,

@@ -123,20 +123,19 @@ def _failure(folder: str, log: str, status: int) -> tuple[str, bool]:
                 errors.append(json.load(src))
     # A rank that died without Python's help (a signal, os._exit, the OOM killer) leaves no
     # file, while the ranks it left behind fail in their next collective ("Connection reset
-    # by peer") and do leave one: it is the cause. torchrun's own stop of the ranks still
-    # running after a failure (SIGTERM) is not.
+    # by peer") and do leave one. Where torchrun saw that death first (its Root Cause), it
+    # is the cause; a death after another rank's error (a watchdog's abort, torchrun's own
+    # SIGTERM to the ranks still running) is not.
+    failures = _torchrun_failures(log)
     written = {int(error["rank"]) for error in errors}
-    deaths = [(rank, code) for rank, code in _torchrun_failures(log)
-              if rank not in written and code not in (0, -signal.SIGTERM)]
-    if deaths:
-        rank, code = deaths[0]
+    if failures and failures[0][0] not in written and failures[0][1] != -signal.SIGTERM:
+        rank, code = failures[0]
         return f"rank {rank} died: {_exit_reason(code)}", False
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the others failed because it did
         if first.get("usage"):
             return f"{first['message']} (rank {first['rank']})", True
         return f"rank {first['rank']} failed: {first['error']}", False
-    failures = _torchrun_failures(log)
     if failures:
         rank, code = failures[0]
         return f"rank {rank} died: {_exit_reason(code)}", False
