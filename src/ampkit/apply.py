@@ -9,6 +9,7 @@ fp32 masters under master-weight policies). :func:`apply_policy` does both.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -16,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from . import _state
 from ._checks import as_list, check_bool, check_int, check_positive
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
@@ -64,6 +66,22 @@ class Plan:
         """Convert the models and prepare the optimizers; returns self."""
         _apply(self)
         return self
+
+    def activate(self, *, log_level: int = logging.INFO) -> "Plan":
+        """Make this plan the active amp state, then :meth:`apply` it; returns self.
+
+        What ``initialize`` does once everything is checked, and ``TuneResult.apply``
+        too (one path, so the two configure a policy alike): ``scale_loss`` then uses
+        this plan's loss scalers, ``autocast`` its device and half dtype. Like a second
+        ``initialize``, it replaces the active state whole (an earlier one's scalers).
+        """
+        policy = self.policy
+        _state.set_active(_state.ActiveAmp(self.device_type, policy.half_dtype, policy=policy,
+                                           scalers=self.scalers, log_level=log_level,
+                                           scaling=policy.loss_scaling.kind != "none",
+                                           fixed_unskipped=([] if policy.dynamic_loss_scale
+                                                            else [0] * len(self.scalers))))
+        return self.apply()
 
 
 def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[OptimizerArg] = None,

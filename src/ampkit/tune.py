@@ -40,7 +40,6 @@ from .fp8 import convert_to_fp8
 from .fp8.convert import eligible_linears
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
-from .frontend.initialize import activate
 from .policy import OPT_LEVELS, get_policy
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -122,7 +121,7 @@ class TuneResult:
             chosen = _check_fp8_modules(model, self.fp8_modules)
             # Checks before its first swap; the plan above holds the same parameters after it.
             convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
-        activate(application)
+        application.activate()
         return model, optimizer
 
 

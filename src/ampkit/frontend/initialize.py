@@ -11,8 +11,7 @@ import torch
 from .. import _state
 from .._checks import check_bool, check_int
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, autocast_default_dtype, resolve_dtype
-from ..apply import (ModelArg, OptimizerArg, Plan, check_models, check_optimizers,
-                     device_type_of, plan)
+from ..apply import ModelArg, OptimizerArg, check_models, check_optimizers, device_type_of, plan
 from ..convert import conversion_of
 from ..keep import Modules
 from ..policy import OPT_LEVELS, Policy, get_policy
@@ -84,30 +83,11 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     if not enabled:
         _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
         return models if optimizers is None else (models, optimizers)
-    activate(application, log_level=log_level)
+    application.activate(log_level=log_level)
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
                level, device_type, policy, len(application.scalers))
     return models if optimizers is None else (models, optimizers)
-
-
-def activate(application: Plan, *, log_level: int = logging.INFO) -> Plan:
-    """Make a checked ``application`` the active amp state, then apply it.
-
-    What ``initialize`` does once everything is checked, and ``TuneResult.apply`` too (one
-    path, so the two configure a policy alike): ``scale_loss`` then uses the plan's loss
-    scalers, ``autocast`` its device and half dtype; a later call replaces the state whole.
-
-    Example:
-        >>> activate(plan("O2-fp16", model, optimizer))  # doctest: +SKIP
-    """
-    policy = application.policy
-    _state.set_active(_state.ActiveAmp(application.device_type, policy.half_dtype, policy=policy,
-                                       scalers=application.scalers, log_level=log_level,
-                                       scaling=policy.loss_scaling.kind != "none",
-                                       fixed_unskipped=([] if policy.dynamic_loss_scale
-                                                        else [0] * len(application.scalers))))
-    return application.apply()
 
 
 def _check_opt_level(opt_level: Any) -> str:
