@@ -446,8 +446,34 @@ def test_apply_refuses_fp8_modules_the_model_lacks_before_changing_anything():
     model = _fp8_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"^fp8_modules \['nope'\] name no fp8-eligible Linear "
-                       r"of the model; valid: '0', '2'$"):
+                       r"of the model outside its kept fp32 modules; valid: '0', '2'$"):
         TuneResult("fp8", [], 1.0, fp8_modules=["0", "nope"]).apply(model)
     assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     assert _state.get_active() is None
+
+
+@pytest.mark.parametrize("own_selection", [False, True])
+def test_apply_refuses_an_fp8_module_it_also_keeps_in_fp32(own_selection):
+    """A layer both in keep_fp32 and in fp8_modules was converted, then kept: it went on
+    computing in fp8 behind fp32 outputs (the keep check ran before the conversion)."""
+    from ampkit.tune import TuneResult
+
+    model = _fp8_model()
+    if own_selection:  # the model's own earlier keep_fp32 selection
+        ampkit.keep_fp32(model, ["2"])
+    result = TuneResult("fp8", [], 1.0, keep_fp32=[] if own_selection else ["2"],
+                        fp8_modules=["0", "2"])
+    with pytest.raises(ValueError, match=r"^fp8_modules \['2'\] name no fp8-eligible Linear of "
+                       r"the model outside its kept fp32 modules \('2' is kept in fp32, in '2'\); "
+                       r"valid: '0'$"):
+        result.apply(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_apply_refuses_what_is_not_a_module_naming_it():
+    from ampkit.tune import TuneResult
+
+    with pytest.raises(TypeError, match=r"^TuneResult.apply takes the torch.nn.Module autotune "
+                                        r"measured, got dict \{\}$"):
+        TuneResult("32-true", [], 1.0).apply({})

@@ -38,6 +38,7 @@ from .autocast import autocast
 from ._rng import RngReplay
 from .fp8 import convert_to_fp8
 from .fp8.convert import eligible_linears
+from .keep import kept_names
 from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import OPT_LEVELS, get_policy
@@ -118,19 +119,28 @@ class TuneResult:
         application = plan(_FP8_COMPUTE if recipe is not None else self.policy, model, optimizer,
                            keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
         if recipe is not None:
-            chosen = _check_fp8_modules(model, self.fp8_modules)
+            kept = (application.keep_fp32[0] if application.keep_fp32 is not None
+                    else kept_names(model))
+            chosen = _check_fp8_modules(model, self.fp8_modules, kept)
             # Checks before its first swap; the plan above holds the same parameters after it.
             convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
         application.activate()
         return model, optimizer
 
 
-def _check_fp8_modules(model: nn.Module, names: Sequence[str]) -> set[str]:
-    """``names`` as a set, each an fp8-eligible Linear of ``model`` (ValueError otherwise)."""
-    valid = [name for name, _ in eligible_linears(model)]
+def _check_fp8_modules(model: nn.Module, names: Sequence[str], kept: Sequence[str]) -> set[str]:
+    """``names`` as a set, each an fp8-eligible Linear of ``model`` outside the ``kept``
+    (fp32) modules: a kept one would go on computing in fp8 behind fp32 outputs
+    (ValueError otherwise)."""
+    inside = lambda name, k: k == "" or name == k or name.startswith(k + ".")  # noqa: E731
+    valid = [name for name, _ in eligible_linears(model)
+             if not any(inside(name, k) for k in kept)]
     bad = [name for name in names if name not in valid]
     if bad:
-        raise ValueError(f"fp8_modules {bad!r} name no fp8-eligible Linear of the model; valid: "
+        why = next((f" ({name!r} is kept in fp32, in {k!r})" for name in bad for k in kept
+                    if inside(name, k)), "")
+        raise ValueError(f"fp8_modules {bad!r} name no fp8-eligible Linear of the model outside "
+                         f"its kept fp32 modules{why}; valid: "
                          f"{', '.join(repr(name) for name in valid) or 'none (no eligible Linear)'}")
     return set(names)
 
