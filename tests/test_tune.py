@@ -477,3 +477,31 @@ def test_apply_refuses_what_is_not_a_module_naming_it():
     with pytest.raises(TypeError, match=r"^TuneResult.apply takes the torch.nn.Module autotune "
                                         r"measured, got dict \{\}$"):
         TuneResult("32-true", [], 1.0).apply({})
+
+
+@pytest.mark.parametrize("threads, expected", [(None, 1), (2, 2)])
+def test_autotune_measures_with_the_threads_bench_chooses(threads, expected):
+    """autotune ran on torch's default threads: on a busy machine OpenMP threads waiting
+    for each other made fp32 look 8x slower than bf16, and the fake speed-up was chosen.
+    A small model now runs on 1 thread, as ampkit bench and tune run it; restored after."""
+    seen = []
+
+    def loss_fn(output, target):
+        seen.append(torch.get_num_threads())
+        return nn.functional.cross_entropy(output, target)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = _model()
+        x, y = _batch()
+        ampkit.autotune(model, x, y, steps=3, candidates=["bf16-mixed"], loss_fn=loss_fn,
+                        threads=threads)
+        assert set(seen) == {expected} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads, error", [(0, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_threads_are_refused_before_training(threads, error):
+    with pytest.raises(error, match=r"threads must be an int >= 1"):
+        ampkit.autotune(_model(), *_batch(), threads=threads)

@@ -99,3 +99,14 @@ def test_help_says_the_separators_check_candidates_accepts(capsys):
     assert "separated by ';' instead when one is an explicit policy such as \"p=f32,c=bf16,o=f32\"" in text
     assert check_candidates("32-true, bf16-mixed,fp8", "cpu") == ["32-true", "bf16-mixed", "fp8"]
     assert check_candidates("p=f32,c=bf16,o=f32; O2-bf16", "cpu") == ["p=f32,c=bf16,o=f32", "O2-bf16"]
+
+
+def test_an_explicit_policys_commas_keep_it_one_candidate_as_in_bench():
+    """Split on every comma, "p=f32,c=bf16,o=f32" was measured as O0 (merged into the
+    reference) and "c=bf16" (bf16 outputs): not the policy typed. bench read it whole."""
+    from ampkit.bench.policies import parse_policy_list
+    from ampkit.cli.tune import check_candidates
+
+    text = "bf16-mixed,p=f32,c=bf16,o=f32"
+    assert check_candidates(text, "cpu") == ["bf16-mixed", "p=f32,c=bf16,o=f32"]
+    assert check_candidates(text, "cpu") == [s.label for s in parse_policy_list(text, "cpu")]

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from ._batch import call_model
 from ._dtypes import autocast_default_dtype, default_device_type, device_policies, iter_tensors
 from ._loss import check_target, default_loss
-from ._measure import MemoryMeter, synchronize, time_steps
+from ._checks import check_int
+from ._measure import MemoryMeter, num_threads, synchronize, threads_for, time_steps
 from ._reference import check_fp32_model
 from .apply import apply_policy, loop_scaler, plan
 from .autocast import autocast
@@ -194,7 +195,8 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
              loss_fn: Optional[Callable[..., Tensor]] = None,
              optimizer: Optional[OptimizerFactory] = None,
              candidates: Union[str, Sequence[str], None] = None, max_loss_dev: float = 0.02,
-             steps: int = 20, device: Optional[str] = None) -> TuneResult:
+             steps: int = 20, device: Optional[str] = None,
+             threads: Optional[int] = None) -> TuneResult:
     """Train a copy of ``model`` under each candidate and choose the fastest accurate one.
 
     Args:
@@ -216,12 +218,17 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
         steps: training steps per candidate (the first two are warm-up, not timed).
         device: where to run (default: the model's device); a device this machine lacks
             raises ValueError naming the valid ones, before anything runs.
+        threads: intra-op threads while it measures (restored after). Default: as
+            ``ampkit bench`` and ``ampkit tune`` choose them, 1 on a CPU for a model under
+            5M parameters (on a busy machine OpenMP threads wait for each other, and the
+            times then show speed-ups that are not there), else torch's current number.
 
     Example:
         >>> result = autotune(model, x, y, steps=10)  # doctest: +SKIP
         >>> model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
     """
-    names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device)
+    names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device,
+                        threads)
     _check_inputs(inputs)
     if loss_fn is None:
         check_target(target)
@@ -229,7 +236,8 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     names = distinct_candidates([on_device(name, device) for name in names])
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     batch = _to_device(inputs, device), _to_device(target, device)
-    with _untouched_state():
+    threads, _ = threads_for(threads, torch.device(device).type, lambda: model)
+    with num_threads(threads), _untouched_state():
         layers = {name: _fp8_layers(model, batch[0], device, name) for name in names
                   if fp8_recipe(name) is not None}
         runs = [_Run(name, model, make_opt, device, layers.get(name)) for name in names]
@@ -259,7 +267,7 @@ def _fp8_layers(model: nn.Module, inputs: Any, device: str, name: str) -> list[L
 
 
 def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optimizer: Any,
-                loss_fn: Any, device: Any) -> list[str]:
+                loss_fn: Any, device: Any, threads: Any) -> list[str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"autotune takes a torch.nn.Module, got {type(model).__name__} {model!r}")
     _check_model(model)
@@ -267,6 +275,8 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
         raise TypeError(f"optimizer must be a callable params -> optimizer, got {optimizer!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    if threads is not None:
+        check_int("threads", threads, 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (2 warm-up steps, then timed ones), got {steps!r}")
     if isinstance(max_loss_dev, bool) or not isinstance(max_loss_dev, (int, float)) \

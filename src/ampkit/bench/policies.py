@@ -120,12 +120,23 @@ def parse_policy_list(text: str, device_type: str) -> list[PolicySpec]:
         >>> [s.label for s in parse_policy_list("32-true,p=f32,c=bf16,fp8", "cpu")]
         ['32-true', 'p=f32,c=bf16', 'fp8']
     """
-    items = text.split(";") if ";" in text else _join_explicit(text.split(","))
-    names = [name for item in items if item.strip() for name in _expand(item.strip(), device_type)]
+    names = [name for item in split_policy_list(text) for name in _expand(item, device_type)]
     specs = [parse_policy(name, device_type, in_list=True) for name in names]
     if not specs:
         raise UsageError(f"no policy given in {text!r}; valid: {valid_policies()}")
     return specs
+
+
+def split_policy_list(text: str) -> list[str]:
+    """The names in a list of policies (``--policies``, ``--candidates``): separated by
+    commas, or by ';'; an explicit policy's own commas ("p=f32,c=bf16,o=f32") keep it one.
+
+    Example:
+        >>> split_policy_list("32-true, p=f32,c=bf16,o=f32 ,O2")
+        ['32-true', 'p=f32,c=bf16,o=f32', 'O2']
+    """
+    items = text.split(";") if ";" in text else _join_explicit(text.split(","))
+    return [item.strip() for item in items if item.strip()]
 
 
 def _expand(item: str, device_type: str) -> tuple[str, ...]:

@@ -53,13 +53,13 @@ def add_parser(sub: Any) -> None:
 
 def check_candidates(text: Optional[str], device: str) -> list[str]:
     """The candidate names, each one autotune takes; UsageError before any training."""
+    from ..bench.policies import split_policy_list
     from ..policy import preset_names
     from ..tune import FP8_CANDIDATES, check_candidate
 
     if text is None:
         return list(device_policies(device).candidates)
-    names = [n.strip() for n in (text.split(";") if ";" in text else text.split(","))]
-    names = [n for n in names if n]
+    names = split_policy_list(text)  # as bench reads --policies: "p=f32,c=bf16,o=f32" is one
     valid = (f"{', '.join(preset_names())}, O1-O3 with -bf16/-fp16, "
              f"{', '.join(FP8_CANDIDATES)}, or 'p=f32,c=bf16,o=f32'")
     if not names:
@@ -108,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tuning {len(candidates)} candidates x {args.steps} steps on "
               f"{workload.description} ({device}, {threads} thread{'s' if threads != 1 else ''})"
               "...", file=sys.stderr)
-    with measure.num_threads(threads):
-        result = autotune(model, inputs, target, loss_fn=workload.loss_fn, candidates=candidates,
-                          max_loss_dev=args.max_loss_dev, steps=args.steps, device=device)
+    result = autotune(model, inputs, target, loss_fn=workload.loss_fn, candidates=candidates,
+                      max_loss_dev=args.max_loss_dev, steps=args.steps, device=device,
+                      threads=threads)
     verdict.render_narrow(f"ampkit tune: {workload.description} on {device}", TUNE_HEADERS,
                           tune_rows(result), out, _LEFT)
     print(choice_sentence(result, args.max_loss_dev), file=out)
