@@ -265,6 +265,26 @@ def test_a_pure_half_shard_refusing_tied_groups_leaves_the_model_fp32(one_rank, 
     assert [p.dtype for p in model.parameters()] == [F32] * 3 and not is_sharded(model)
 
 
+class _Aliased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 8))
+        self.dec = self.enc  # one module, two names
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.dec(self.enc(x)))
+
+
+def test_shard_selects_modules_by_keep_fp32s_rule(one_rank):
+    """shard had a copy of keep_fp32's matching that missed a module's second name
+    ("matches no module") and took no callable."""
+    assert ampkit.keep.select(_Aliased(), ["dec"]) == ["enc"]
+    assert _fsdp_modules(shard(_Aliased(), "bf16-mixed", modules=["dec"])) == ["", "enc"]
+    picked = shard(_Aliased(), "bf16-mixed", modules=lambda name, m: name == "head")
+    assert _fsdp_modules(picked) == ["", "head"]
+
+
 def test_a_modules_pattern_matching_only_an_empty_container_is_refused(one_rank):
     """An empty ModuleList stands for its (no) children: the pattern selected nothing,
     and the model was sharded as one root group without a word."""

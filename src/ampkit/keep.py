@@ -160,31 +160,38 @@ def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[s
     ``strict``: a name or pattern that matches nothing raises ValueError naming a few
     real module names.
     """
-    selectors = as_selectors(modules)
-    # Every name of every module (one used twice, ``self.dec = self.enc``, has both),
-    # each selected under the one name ``named_modules()`` gives it: the selection, the
-    # hooks and FSDP's units see one name per module.
-    named = list(model.named_modules(remove_duplicate=False))  # the root first, named ""
-    canonical = {id(module): name for name, module in model.named_modules()}
     chosen: set[str] = set()
-    for selector in selectors:
-        hits = {canonical[id(module)] for name, module in named if _matches(selector, name, module)}
+    for selector in as_selectors(modules):
+        hits = matching(model, selector)
         if strict and not hits and isinstance(selector, str):
-            examples = ", ".join(repr(name) for name, _ in named[1:7]) or "'' (the root; no submodules)"
+            named = [name for name, _ in model.named_modules(remove_duplicate=False)]
+            examples = ", ".join(repr(name) for name in named[1:7]) or "'' (the root; no submodules)"
             raise ValueError(f"keep_fp32: {_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or patterns over "
                              f"model.named_modules(), e.g. {examples}")
-        chosen |= hits
-    return [name for name in canonical.values() if name in chosen]
+        chosen.update(hits)
+    return [name for name, _ in model.named_modules() if name in chosen]
 
 
-def as_selectors(modules: Modules) -> list[Selector]:
-    """``modules`` as a list of selectors, each checked (TypeError names a bad one)."""
+def matching(model: nn.Module, selector: Selector) -> list[str]:
+    """The modules of ``model`` one (checked) selector matches, in model order, each under
+    the one name ``named_modules()`` gives it (the root is ""). Every name of a module
+    counts: one used twice (``self.dec = self.enc``) matches by either. ``keep_fp32`` and
+    ``distributed.shard`` select modules by this one rule."""
+    canonical = {id(module): name for name, module in model.named_modules()}
+    hits = {canonical[id(module)] for name, module in model.named_modules(remove_duplicate=False)
+            if _matches(selector, name, module)}
+    return [name for name in canonical.values() if name in hits]
+
+
+def as_selectors(modules: Modules, what: str = "keep_fp32: ") -> list[Selector]:
+    """``modules`` as a list of selectors, each checked (TypeError names a bad one, after
+    ``what``: the caller and argument)."""
     items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
     for item in items:
         ok = isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
         if not ok and not (callable(item) and not isinstance(item, (type, nn.Module))):
-            raise TypeError(f"keep_fp32: {item!r} is not a module selector; valid: a module "
+            raise TypeError(f"{what}{item!r} is not a module selector; valid: a module "
                             "name or fnmatch pattern (str), an nn.Module subclass, or a "
                             "callable (name, module) -> bool")
     return items

@@ -17,8 +17,7 @@ they expect (as ``keep_fp32`` does in a single process outside autocast).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
@@ -35,8 +34,7 @@ if TYPE_CHECKING:  # importing FSDP2 costs about a second: only where it is used
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-ModuleSelector = Union[str, type]
-Modules = Union[ModuleSelector, Sequence[ModuleSelector]]
+Modules = keep.Modules
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own for FSDP2 to hook
 
 
@@ -79,8 +77,10 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
         policy: a Policy or any name ``ampkit.get_policy`` takes.
         mesh: the DeviceMesh to shard over; None: all ranks of the default process group.
         modules: the blocks, each one ``fully_shard`` group: module names or fnmatch
-            patterns over ``model.named_modules()`` ("layers.*", "encoder.block_?"), or
-            nn.Module subclasses. A match inside another match joins it; a ModuleList or
+            patterns over ``model.named_modules()`` ("layers.*", "encoder.block_?"; a
+            module used under two names matches either), nn.Module subclasses, or
+            callables ``(name, module) -> bool``: ``keep_fp32``'s selectors. A match
+            inside another match joins it; a ModuleList or
             ModuleDict stands for its children. None: the children of the first
             non-empty nn.ModuleList in the model, else, where the model is an
             nn.Sequential, its children that hold parameters; ``[]``: the root group only.
@@ -173,8 +173,8 @@ def _select_blocks(model: nn.Module, modules: Optional[Modules]) -> list[str]:
     if modules is None:
         return _default_blocks(model, named)
     names: list[str] = []
-    for selector in _as_selectors(modules):
-        hits = [name for name, module in named if _matches(selector, name, module)]
+    for selector in keep.as_selectors(modules, what="shard: modules item "):
+        hits = [name for name in keep.matching(model, selector) if name]
         if not hits:
             raise ValueError(f"shard: modules={_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or fnmatch patterns over "
@@ -243,10 +243,14 @@ def _without_containers(model: nn.Module, name: str) -> list[str]:
 def _check_shared(model: nn.Module, units: list[str]) -> None:
     """Refuse groups that split a shared parameter (tied weights): fully_shard would fail
     on the second group, with the first one sharded already."""
+    # A name's group: its innermost prefix that is a unit, by identity (a unit reached by
+    # a second name, ``self.dec = self.enc``, holds what is under either name).
+    unit_of = {id(model.get_submodule(unit)): unit for unit in units}
     owner: dict[int, tuple[str, str]] = {}  # id(param) -> (its group, its name)
     for module_name, module in model.named_modules(remove_duplicate=False):
-        group = max((u for u in units if module_name == u or _inside(module_name, u)),
-                    key=len, default="")
+        parts = module_name.split(".") if module_name else []
+        group = next((unit_of[id(sub)] for i in range(len(parts), 0, -1)
+                      if id(sub := model.get_submodule(".".join(parts[:i]))) in unit_of), "")
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}".strip(".")
             first = owner.setdefault(id(param), (group, name))
@@ -281,23 +285,10 @@ def _unit_policies(pol: Policy) -> tuple[Any, Any, Any]:
     return blocks, fp32, root
 
 
-def _as_selectors(modules: Modules) -> list[ModuleSelector]:
-    items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
-    for item in items:
-        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
-            raise TypeError(f"shard: modules item {item!r} is not a module selector; valid: a "
-                            "module name or fnmatch pattern (str) or an nn.Module subclass")
-    return items
-
-
-def _matches(selector: ModuleSelector, name: str, module: nn.Module) -> bool:
+def _describe(selector: keep.Selector) -> str:
     if isinstance(selector, str):
-        return name == selector or fnmatch.fnmatchcase(name, selector)
-    return isinstance(module, selector)
-
-
-def _describe(selector: ModuleSelector) -> str:
-    return repr(selector) if isinstance(selector, str) else selector.__name__
+        return repr(selector)
+    return getattr(selector, "__name__", repr(selector))
 
 
 def _examples(named: list[tuple[str, nn.Module]]) -> str:
