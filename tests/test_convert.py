@@ -419,3 +419,33 @@ def test_a_converted_model_exports():
     assert exported.module()(x).dtype == torch.float64
     if torch.__version__ >= "2.11":  # earlier non-strict exports leave autocast regions out
         assert torch.equal(exported.module()(x), model(x))
+
+
+@dataclasses.dataclass
+class _WithAux:
+    logits: torch.Tensor
+    aux_loss: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+def test_the_converted_forward_keeps_a_dataclass_field_set_after_construction():
+    """An output whose init=False field the forward set after building it lost that field
+    (None): the cast rebuilt it with dataclasses.replace, from its init fields only."""
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> _WithAux:
+            out = _WithAux(self.lin(x))
+            out.aux_loss = out.logits.pow(2).mean()
+            return out
+
+    torch.manual_seed(0)
+    model = Model()
+    convert_model(model, param_dtype=torch.bfloat16,
+                  casts=ForwardCasts(torch.bfloat16, torch.float32))
+    x = torch.randn(2, 4)
+    out = model(x)
+    logits = model.lin(x.bfloat16())
+    assert out.logits.dtype is torch.float32 and out.aux_loss.dtype is torch.float32
+    assert torch.equal(out.aux_loss, logits.pow(2).mean().float())

@@ -124,3 +124,74 @@ def test_cast_tree_and_iter_tensors_walk_dataclasses_frozen_or_not():
     assert tree.pair.h is h and tree.pair.h.dtype is torch.bfloat16  # the caller's: unchanged
     pair = _Pair(h, ids)
     assert cast_tree(pair, torch.bfloat16, sources=(torch.float16,)) is pair  # nothing cast
+
+
+@dataclasses.dataclass
+class _Later:  # an init=False field the user sets after construction
+    h: torch.Tensor
+    aux: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scaled:  # an InitVar without a default and a __post_init__ that must run once
+    h: torch.Tensor
+    scale: dataclasses.InitVar[float]
+    calls: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self, scale: float) -> None:
+        object.__setattr__(self, "h", self.h * scale)
+        self.calls.append(scale)
+
+
+@dataclasses.dataclass
+class _Base:
+    h: torch.Tensor
+
+
+class _OwnInit(_Base):  # a subclass with its own __init__ signature
+    def __init__(self, values: list) -> None:
+        super().__init__(torch.tensor(values))
+
+
+@dataclasses.dataclass
+class _Node:
+    h: torch.Tensor
+    parent: object = None
+    children: list = dataclasses.field(default_factory=list)
+
+
+def test_cast_tree_rebuilds_a_dataclass_without_running_its_init():
+    """dataclasses.replace rebuilt it from its init fields: an init=False field set later
+    was dropped, an InitVar without a default raised ValueError, __post_init__ ran again
+    and a subclass with its own __init__ raised TypeError."""
+    from ampkit._dtypes import cast_tree, iter_tensors
+    later = _Later(torch.ones(2))
+    later.aux = torch.full((1,), 3.0)
+    cast = cast_tree(later, torch.bfloat16)
+    assert cast.aux.dtype is torch.bfloat16 and torch.equal(cast.aux.float(), later.aux)
+    assert [t.dtype for t in iter_tensors(cast)] == [torch.bfloat16] * 2
+    scaled = _Scaled(torch.ones(2), 2.0)
+    cast = cast_tree(scaled, torch.bfloat16)
+    assert type(cast) is _Scaled and cast.calls == scaled.calls == [2.0]  # __post_init__: once
+    assert torch.equal(cast.h, torch.full((2,), 2.0, dtype=torch.bfloat16))
+    own = cast_tree(_OwnInit([1.0, 2.0]), torch.float16)
+    assert type(own) is _OwnInit and own.h.dtype is torch.float16
+
+
+def test_a_dataclass_cycle_is_walked_once():
+    """A parent pointer sent cast_tree and iter_tensors into a RecursionError; a back
+    pointer met while its instance is walked stays the caller's original."""
+    from ampkit._dtypes import cast_tree, iter_tensors
+    root = _Node(torch.ones(1))
+    child = _Node(torch.zeros(1), parent=root)
+    root.children += [child, child]
+    assert [t is u for t, u in zip(iter_tensors(root), (root.h, child.h))] == [True, True]
+    assert len(list(iter_tensors(root))) == 2
+    cast = cast_tree(root, torch.bfloat16)
+    assert cast.h.dtype is torch.bfloat16 and cast.children[0].h.dtype is torch.bfloat16
+    assert cast.children[0] is cast.children[1]  # one instance, one result
+    assert cast.children[0].parent is root and root.children[0] is child
+    loop = _Node(torch.ones(1), children=None)
+    loop.parent = loop
+    assert cast_tree(loop, torch.float32) is loop  # nothing cast: the instance itself
+    assert cast_tree(loop, torch.float16).parent is loop

@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -86,55 +86,117 @@ def cast_tree(obj: Any, dtype: torch.dtype,
         sources: only tensors of these dtypes are cast (None: every floating tensor).
 
     Returns:
-        ``obj`` with its tensors cast, in new containers; ``obj``'s own containers are
-        never changed. A dataclass instance (frozen or not) comes back as a new one built
-        by ``dataclasses.replace`` from its ``init`` fields (so ``__post_init__`` runs), or
-        as itself when none of its tensors is cast.
+        ``obj`` with its tensors cast, rebuilt as :func:`map_tensors` rebuilds it: new
+        containers, a dataclass instance copied without running its ``__init__`` (itself
+        when none of its tensors is cast); ``obj``'s own containers are never changed.
 
     Example:
         >>> cast_tree({"x": [torch.ones(1)], "n": 3}, torch.float16)["x"][0].dtype
         torch.float16
     """
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        wanted = tensor.is_floating_point() if sources is None else tensor.dtype in sources
+        return cast_tensor(tensor, dtype) if wanted and tensor.dtype != dtype else tensor
+    return cast(obj) if isinstance(obj, torch.Tensor) else map_tensors(obj, cast)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn(t)`` in place of each tensor ``t`` in it: the one walker that
+    rebuilds (cast_tree, inspect's detach, autotune's move to the device).
+
+    Lists, tuples, namedtuples and dicts come back as new containers of their own type (a
+    dict subclass as a refilled copy: a defaultdict keeps its factory; a dict that is also
+    a dataclass, like transformers' ModelOutput, as a mapping). A dataclass instance,
+    frozen or not, comes back as itself when ``fn`` changed nothing in it, else as
+    ``copy.copy`` of it with every field (``init=False`` ones too) set to its mapped value:
+    its ``__init__`` and ``__post_init__`` do not run again, so a field set after
+    construction, an ``InitVar`` or a subclass's own ``__init__`` cannot get in the way.
+    Each dataclass instance is walked once: met again, it maps to the same result; met
+    again while it is being walked (a cycle, such as a parent pointer), it stays the
+    caller's original. ``obj``'s own containers and instances are never changed.
+
+    Example:
+        >>> map_tensors([torch.ones(1), 3], lambda t: t * 2)
+        [tensor([2.]), 3]
+    """
+    return _map(obj, fn, {})
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
     if isinstance(obj, torch.Tensor):
-        wanted = obj.is_floating_point() if sources is None else obj.dtype in sources
-        return cast_tensor(obj, dtype) if wanted and obj.dtype != dtype else obj
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        cast = [cast_tree(v, dtype, sources) for v in obj]
+        items = [_map(v, fn, memo) for v in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*cast)
-        return cast if type(obj) is list else type(obj)(cast)
+            return type(obj)(*items)
+        return items if type(obj) is list else type(obj)(items)
     # Dicts before dataclasses: a dict that is one too (transformers' ModelOutput) is
     # rebuilt as a mapping, as before.
     if isinstance(obj, dict):
-        cast = {k: cast_tree(v, dtype, sources) for k, v in obj.items()}
-        return cast if type(obj) is dict else _rebuild_mapping(obj, cast)
+        mapped = {k: _map(v, fn, memo) for k, v in obj.items()}
+        return mapped if type(obj) is dict else _rebuild_mapping(obj, mapped)
     if _is_dataclass_instance(obj):
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-        cast = {name: cast_tree(v, dtype, sources) for name, v in fields.items()}
-        if all(cast[name] is value for name, value in fields.items()):
-            return obj
-        return dataclasses.replace(obj, **cast)
+        return _map_dataclass(obj, fn, memo)
     return obj
+
+
+def _map_dataclass(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
+    """``obj`` itself when no field changed, else a copy with the changed fields set.
+
+    ``memo`` maps the id of each instance walked so far to its result (to ``obj`` itself
+    while it is being walked); the instances are alive, held by the tree being walked,
+    so no id is reused during the walk.
+    """
+    if id(obj) in memo:
+        return memo[id(obj)]
+    memo[id(obj)] = obj
+    changed = {}
+    for name in _field_names(obj):
+        value = getattr(obj, name, _UNSET)  # an init=False field never set has no value
+        mapped = value if value is _UNSET else _map(value, fn, memo)
+        if mapped is not value:
+            changed[name] = mapped
+    result = obj
+    if changed:
+        result = copy.copy(obj)  # __new__ and the instance's state: no __init__ runs
+        for name, value in changed.items():
+            object.__setattr__(result, name, value)  # a frozen dataclass's too
+    memo[id(obj)] = result
+    return result
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in ``obj`` (nested lists, tuples, dicts, dataclass instances' fields),
-    in order: the one walker."""
+    in order: the one reading walker. It walks what :func:`map_tensors` walks, each
+    dataclass instance once (a cycle ends there)."""
+    return _iter(obj, set())
+
+
+def _iter(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from iter_tensors(item)
+            yield from _iter(item, seen)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from iter_tensors(item)
-    elif _is_dataclass_instance(obj):
-        for field in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, field.name, None))
+            yield from _iter(item, seen)
+    elif _is_dataclass_instance(obj) and id(obj) not in seen:
+        seen.add(id(obj))
+        for name in _field_names(obj):
+            yield from _iter(getattr(obj, name, None), seen)
+
+
+_UNSET = object()
 
 
 def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _field_names(obj: Any) -> list[str]:
+    """Every field of a dataclass instance, ``init=False`` ones too (not ``InitVar``s)."""
+    return [f.name for f in dataclasses.fields(obj)]
 
 
 def _rebuild_mapping(original: dict, cast: dict) -> dict:
