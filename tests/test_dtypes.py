@@ -195,3 +195,18 @@ def test_a_dataclass_cycle_is_walked_once():
     loop.parent = loop
     assert cast_tree(loop, torch.float32) is loop  # nothing cast: the instance itself
     assert cast_tree(loop, torch.float16).parent is loop
+
+
+def test_the_common_leaves_skip_the_dataclass_check(monkeypatch):
+    """Every non-tensor leaf paid for a dataclass check (a 14-scalar kwargs dict: 5 to 12 us
+    in cast_tree, 4 to 15 us in iter_tensors, on every converted forward)."""
+    from ampkit._dtypes import cast_tree, iter_tensors
+
+    def refuse(obj):
+        raise AssertionError(f"dataclass check on {obj!r}")
+
+    monkeypatch.setattr(_dtypes, "_is_dataclass_instance", refuse)
+    x = torch.ones(1)
+    tree = ((x, 3, "s", 1.5, True, None), {"dtype": torch.float16, "device": torch.device("cpu")})
+    assert list(iter_tensors(tree)) == [x]
+    assert cast_tree(tree, torch.bfloat16)[0][0].dtype is torch.bfloat16

@@ -125,6 +125,8 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if type(obj) in _LEAVES:
+        return obj
     if isinstance(obj, (list, tuple)):
         items = [_map(v, fn, memo) for v in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
@@ -175,6 +177,8 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def _iter(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif type(obj) in _LEAVES:
+        return
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _iter(item, seen)
@@ -188,10 +192,15 @@ def _iter(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
 
 
 _UNSET = object()
+# The leaves met most (a forward's flags, sizes, names, dtypes), by exact type, answered
+# before any other check: the walkers run on every converted forward, kept-module call and
+# registered-override call, where each check on a leaf is host time on every step.
+_LEAVES = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
 
 
 def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    # dataclasses.is_dataclass's own test, on the type: a dataclass class is no instance.
+    return hasattr(type(obj), "__dataclass_fields__")
 
 
 def _field_names(obj: Any) -> list[str]:
