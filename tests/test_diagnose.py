@@ -698,3 +698,24 @@ def test_fp8_dash_without_a_recipe_is_refused():
     with pytest.raises(ValueError, match=r"'fp8-'.*fp8-tensorwise, fp8-delayed, fp8-rowwise"):
         inspect(nn.Linear(4, 2), X, policy="fp8-")
     assert inspect(nn.Linear(16, 16), torch.randn(16, 16), policy=" fp8 ").policy == "fp8"
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+
+
+def test_a_dataclass_input_that_requires_grad_gets_no_grad():
+    """inspect detached tensors in tuples, lists and dicts only: a dataclass batch's tensor
+    got the backward's .grad."""
+    class Unwrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, batch: _Batch) -> torch.Tensor:
+            return self.lin(batch.x)
+
+    batch = _Batch(torch.randn(4, 8, requires_grad=True))
+    inspect(Unwrap(), batch, policy="bf16-mixed")
+    assert batch.x.grad is None

@@ -371,7 +371,7 @@ def test_a_list_target_reaches_a_users_loss_fn():
         return output.float().mean()
     ampkit.autotune(nn.Linear(16, 4), torch.randn(3, 16), [0, 1, 1], loss_fn=loss_fn, steps=3,
                     candidates=["bf16-mixed"])
-    assert seen[0] == (0, 1, 1)  # moved to the device as a tuple, as inputs are
+    assert type(seen[0]) is list and seen[0] == [0, 1, 1]  # as given: the move keeps lists
 
 
 # --- TuneResult.apply: initialize's seam ------------------------------------------------------
@@ -505,3 +505,18 @@ def test_autotune_measures_with_the_threads_bench_chooses(threads, expected):
 def test_bad_threads_are_refused_before_training(threads, error):
     with pytest.raises(error, match=r"threads must be an int >= 1"):
         ampkit.autotune(_model(), *_batch(), threads=threads)
+
+
+def test_the_batch_moves_to_the_device_with_its_structure():
+    """autotune's move to the device made every list and namedtuple a plain tuple (a list is
+    one argument to the model, a tuple several) and left dataclass instances where they were."""
+    import collections
+    import dataclasses
+    from ampkit.tune import _to_device
+
+    Pair = collections.namedtuple("Pair", "a b")
+    Holder = dataclasses.make_dataclass("Holder", [("x", torch.Tensor)])
+    batch = ([torch.ones(1)], Pair(torch.ones(1), 2), Holder(torch.ones(1)), {"k": torch.ones(1)})
+    moved = _to_device(batch, "meta")
+    assert [type(v) for v in moved] == [list, Pair, Holder, dict] and moved[1].b == 2
+    assert {t.device.type for t in (moved[0][0], moved[1].a, moved[2].x, moved[3]["k"])} == {"meta"}

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from ._batch import call_model
-from ._dtypes import autocast_default_dtype, default_device_type, device_policies, iter_tensors
+from ._dtypes import (autocast_default_dtype, default_device_type, device_policies,
+                      iter_tensors, map_tensors)
 from ._loss import check_target, default_loss
 from ._checks import check_int
 from ._measure import MemoryMeter, num_threads, synchronize, threads_for, time_steps
@@ -491,13 +492,9 @@ class _Run:
 
 
 def _to_device(value: Any, device: str) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {key: _to_device(v, device) for key, v in value.items()}
-    return value
+    """``value`` with its tensors on ``device``, its structure kept: a list stays a list and
+    a namedtuple a namedtuple (``call_model`` tells them apart), dataclasses are walked."""
+    return map_tensors(value, lambda tensor: tensor.to(device))
 
 
 class _untouched_state:  # noqa: N801 - used as a context manager

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .._batch import call_model
-from .._dtypes import autocast_default_dtype, capability, fp8_supported, iter_tensors
+from .._dtypes import (autocast_default_dtype, capability, fp8_supported, iter_tensors,
+                       map_tensors)
 from .._loss import default_loss
 from .._reference import check_fp32_model, fp32_model_hint
 from ..apply import apply_policy, check_models, make_scalers
@@ -218,16 +219,9 @@ def _copy(model: nn.Module) -> nn.Module:
 
 
 def _detached(value: Any) -> Any:
-    """``value`` with every tensor in it detached (same storage, no autograd history)."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        items = [_detached(v) for v in value]
-        # A namedtuple is rebuilt from its fields, a plain tuple or list from the items.
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, _detached(v)) for k, v in value.items())
-    return value
+    """``value`` with every tensor in it detached (same storage, no autograd history),
+    its containers and dataclass instances rebuilt as :func:`map_tensors` rebuilds them."""
+    return map_tensors(value, Tensor.detach)
 
 
 def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
