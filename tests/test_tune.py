@@ -144,6 +144,7 @@ def test_autotune_and_inspect_call_the_model_with_a_batch_by_one_rule():
     assert reports[0].policy_loss == reports[1].policy_loss
     listed = inspect(_OneList(), [x, z], y, policy="bf16-mixed")  # one argument, not two
     assert listed.ref_loss == reports[0].ref_loss
+    assert ampkit.autotune(_OneList(), [x, z], y, steps=3, candidates=["32-true"]).policy == "32-true"
 
 
 class _OneList(_TwoInputs):
