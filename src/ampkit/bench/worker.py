@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -38,6 +39,7 @@ from .runner import BenchSettings, PolicyRun
 
 CAN_FORK = hasattr(os, "fork")
 _ANSWERS = {"warmup": "warm", "run": "times", "finish": "result"}
+_SETTLE_S = 120  # the longest an interrupted parent waits for an owed answer (one round)
 _EXIT_WAIT_S = 30  # the forking process exits once its workers have
 
 
@@ -86,8 +88,15 @@ class Worker:
         """Read the answer still owed when an interrupt stopped the parent waiting for it:
         the worker, in a session of its own, did not get the interrupt and finished the
         command. Its round counts in the worker's result, as every round it completed."""
-        if self._pending is not None:
-            self._expect(self._pending)
+        if self._pending is None:
+            return
+        # Owed, unless the interrupt came between the write and the bookkeeping around it
+        # (a few bytecodes): a bounded wait, then the worker counts as failed.
+        ready, _, _ = select.select([self._answers], [], [], _SETTLE_S)
+        if not ready:
+            self._pending = None
+            self._fail()
+        self._expect(self._pending)
 
     def close(self) -> None:
         for stream in (self._commands, self._answers, self._log):
@@ -95,12 +104,12 @@ class Worker:
                 stream.close()
 
     def _send(self, command: str) -> None:
+        self._pending = _ANSWERS[command.partition(" ")[0]]  # before: the write may finish
         try:
             self._commands.write(command + "\n")
             self._commands.flush()
         except OSError:
             self._fail()
-        self._pending = _ANSWERS[command.partition(" ")[0]]
 
     def _expect(self, kind: str) -> str:
         line = self._answers.readline()
