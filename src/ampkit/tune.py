@@ -22,7 +22,6 @@ import copy
 import math
 import statistics
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -35,116 +34,19 @@ from ._loss import check_target, default_loss
 from ._checks import check_int
 from ._measure import MemoryMeter, num_threads, synchronize, threads_for, time_steps
 from ._reference import check_fp32_model
-from .apply import apply_policy, loop_scaler, plan
+from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from ._rng import RngReplay
 from .fp8 import convert_to_fp8
-from .fp8.convert import eligible_linears
-from .keep import kept_names
-from .fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
+from .fp8.config import FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import OPT_LEVELS, get_policy
+from .tune_result import FP8_COMPUTE, ROW_KEYS, TuneResult, fp8_recipe
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _REFERENCE = "32-true"
 _HALF_SUFFIX = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-_FP8_COMPUTE = FP8_BASE_POLICY  # what runs around the fp8 layers (and what they replace)
 FP8_CANDIDATES = FP8_POLICY_NAMES
-
-
-def fp8_recipe(name: str) -> Optional[str]:
-    """The convert_to_fp8 recipe of an fp8 candidate name, None for any other policy
-    (and for a malformed fp8 name, which :func:`check_candidate` refuses)."""
-    try:
-        return fp8_policy_recipe(name)
-    except ValueError:
-        return None
-
-
-# The keys of a TuneResult row (the contract's); the rest of a candidate's measurement goes
-# to TuneResult.details.
-ROW_KEYS = ("policy", "step_ms", "peak_mib", "max_loss_dev", "accepted", "reason")
-
-
-@dataclass
-class TuneResult:
-    """What :func:`autotune` measured and chose.
-
-    Attributes:
-        policy: the chosen policy's name (an fp8 choice: its candidate name, e.g. "fp8",
-            meaning bf16 autocast with ``fp8_modules`` in fp8).
-        keep_fp32: module names kept in fp32 by the choice (none chosen this way yet).
-        fp8_modules: module names the choice runs in fp8 (measured faster there).
-        rows: one dict per candidate with exactly the keys "policy", "step_ms" (median),
-            "peak_mib" (CUDA's allocator; None on a CPU), "max_loss_dev", "accepted",
-            "reason".
-        speedup: fp32's step time over the chosen one's (1.0 for "32-true").
-        details: one dict per candidate, in the rows' order, with the rest of what was
-            measured: "policy", "timed_ms"/"timed_steps" (the sum and number of its timed
-            steps) and, for an fp8 candidate, "fp8_modules" and "fp8_layers" (each
-            layer's GEMM timing).
-    """
-
-    policy: str
-    rows: list[dict[str, Any]]
-    speedup: float
-    keep_fp32: list[str] = field(default_factory=list)
-    fp8_modules: list[str] = field(default_factory=list)
-    details: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "keep_fp32": list(self.keep_fp32),
-                "fp8_modules": list(self.fp8_modules), "speedup": self.speedup,
-                "rows": [dict(row) for row in self.rows],
-                "details": [dict(detail) for detail in self.details]}
-
-    def apply(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
-              ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        """Configure ``model`` (and ``optimizer``) as chosen, as ``ampkit.initialize`` does.
-
-        Everything is checked before anything changes. The chosen policy becomes the active
-        amp state, as after ``initialize`` with it (its loss scaler, dynamic for fp16), so
-        the apex-style loop trains as it would there. An fp8 choice converts exactly
-        ``fp8_modules`` (``convert_to_fp8``; a name that is no fp8-eligible Linear of
-        ``model`` raises ValueError) and applies bf16-mixed around them.
-
-        Example:
-            >>> model, optimizer = result.apply(model, optimizer)  # doctest: +SKIP
-            >>> with ampkit.scale_loss(loss_fn(model(x), y), optimizer) as scaled_loss:  # doctest: +SKIP
-            ...     scaled_loss.backward()
-            >>> optimizer.step()  # doctest: +SKIP
-        """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"TuneResult.apply takes the torch.nn.Module autotune measured, got "
-                            f"{type(model).__name__} {model!r:.80}")
-        recipe = fp8_recipe(self.policy)
-        application = plan(_FP8_COMPUTE if recipe is not None else self.policy, model, optimizer,
-                           keep_fp32=self.keep_fp32 if self.keep_fp32 else None)
-        if recipe is not None:
-            kept = (application.keep_fp32[0] if application.keep_fp32 is not None
-                    else kept_names(model))
-            chosen = _check_fp8_modules(model, self.fp8_modules, kept)
-            # Checks before its first swap; the plan above holds the same parameters after it.
-            convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
-        application.activate()
-        return model, optimizer
-
-
-def _check_fp8_modules(model: nn.Module, names: Sequence[str], kept: Sequence[str]) -> set[str]:
-    """``names`` as a set, each an fp8-eligible Linear of ``model`` outside the ``kept``
-    (fp32) modules: a kept one would go on computing in fp8 behind fp32 outputs
-    (ValueError otherwise)."""
-    inside = lambda name, k: k == "" or name == k or name.startswith(k + ".")  # noqa: E731
-    valid = [name for name, _ in eligible_linears(model)
-             if not any(inside(name, k) for k in kept)]
-    bad = [name for name in names if name not in valid]
-    if bad:
-        why = next((f" ({name!r} is kept in fp32, in {k!r})" for name in bad for k in kept
-                    if inside(name, k)), "")
-        raise ValueError(f"fp8_modules {bad!r} name no fp8-eligible Linear of the model outside "
-                         f"its kept fp32 modules{why}; valid: "
-                         f"{', '.join(repr(name) for name in valid) or 'none (no eligible Linear)'}")
-    return set(names)
 
 
 def native_candidates(device: Optional[str] = None) -> list[str]:
@@ -424,7 +326,7 @@ class _Run:
         self.fp8_layers = fp8_layers
         self.fp8_modules = faster_fp8_layers(fp8_layers or [])
         self.trains = recipe is None or bool(self.fp8_modules)
-        self.policy = get_policy(_FP8_COMPUTE if recipe is not None else name)
+        self.policy = get_policy(FP8_COMPUTE if recipe is not None else name)
         self.device = device
         self.losses: list[Tensor] = []
         self.times: list[float] = []
