@@ -225,6 +225,18 @@ def test_a_failing_policy_is_an_error_row_and_the_others_still_report(
         assert plot.stat().st_size > 0
 
 
+def _interrupted_bench(tmp_path, capsys, policies: str, isolate: str):
+    """Run bench (12 steps, rounds of 2) expecting the interrupt a test injected: exit 130,
+    its last stderr line saying so; the JSON written and what was printed."""
+    path = tmp_path / "bench.json"
+    argv = ["bench", *TINY, "--policies", policies, "--steps", "12", "--max-time", "0",
+            "--isolate", isolate, "--threads", "1", "--json", str(path)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == "ampkit bench: interrupted"
+    return json.loads(path.read_text()), captured
+
+
 def test_an_interrupted_bench_writes_what_it_measured_and_exits_130(tmp_path, capsys,
                                                                    monkeypatch):
     """A time limit's SIGINT (gpu_session.sh runs each part under one) left no JSON and no
@@ -238,13 +250,7 @@ def test_an_interrupted_bench_writes_what_it_measured_and_exits_130(tmp_path, ca
             raise KeyboardInterrupt
         return original_step(self)
     monkeypatch.setattr(runner.PolicyRun, "_step", step)
-    path = tmp_path / "bench.json"
-    argv = ["bench", *TINY, "--policies", "32-true,bf16-mixed,O2", "--steps", "12",
-            "--max-time", "0", "--isolate", "never", "--threads", "1", "--json", str(path)]
-    assert main(argv) == 130
-    captured = capsys.readouterr()
-    assert captured.err.strip().splitlines()[-1] == "ampkit bench: interrupted"
-    doc = json.loads(path.read_text())
+    doc, captured = _interrupted_bench(tmp_path, capsys, "32-true,bf16-mixed,O2", "never")
     assert doc["interrupted"] is True and doc["verdict"][-1].startswith("Interrupted:")
     assert [r["policy"] for r in doc["results"]] == ["32-true", "bf16-mixed", "O2"]
     # The 5th round (the rotation's second turn: bf16-mixed, O2, 32-true) ended at O2.
@@ -269,13 +275,7 @@ def test_an_interrupted_bench_with_a_process_per_policy_writes_what_it_measured(
             raise KeyboardInterrupt
         return original_expect(self, kind)
     monkeypatch.setattr(worker.Worker, "_expect", expect)
-    path = tmp_path / "bench.json"
-    argv = ["bench", *TINY, "--policies", "32-true,bf16-mixed", "--steps", "12",
-            "--max-time", "0", "--isolate", "always", "--threads", "1", "--json", str(path)]
-    assert main(argv) == 130
-    captured = capsys.readouterr()
-    assert captured.err.strip().splitlines()[-1] == "ampkit bench: interrupted"
-    doc = json.loads(path.read_text())
+    doc, captured = _interrupted_bench(tmp_path, capsys, "32-true,bf16-mixed", "always")
     assert interrupts == ["times"] and doc["interrupted"] is True
     assert doc["settings"]["process_per_policy"] is True
     # Rounds 1-3 each ran both policies; the worker finished the round it was asked for.

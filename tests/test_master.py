@@ -214,6 +214,20 @@ def _closure_setup(level, make_optimizer, dtype=torch.float16):
     return model, optimizer, torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
 
 
+def _overflowing_closure(model, optimizer, x, y):
+    """A closure through scale_loss whose loss is inf while ``blow_up[0]``."""
+    import ampkit
+    blow_up = [False]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ((model(x).float() - y) ** 2).mean()
+        with ampkit.scale_loss(loss * (float("inf") if blow_up[0] else 1.0), optimizer) as scaled:
+            scaled.backward()
+        return loss
+    return closure, blow_up
+
+
 @pytest.mark.parametrize("make_optimizer", [
     lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     lambda params: torch.optim.Adam(params, lr=1e-2),
@@ -256,14 +270,7 @@ def test_an_overflow_in_a_closure_skips_that_step_leaving_weights_and_state(leve
     grads). Now it is a skip, as an overflow before step() without closure is."""
     import ampkit
     model, optimizer, x, y = _closure_setup(level, make_optimizer)
-    blow_up = [False]
-
-    def closure():
-        optimizer.zero_grad()
-        loss = ((model(x).float() - y) ** 2).mean()
-        with ampkit.scale_loss(loss * (float("inf") if blow_up[0] else 1.0), optimizer) as scaled:
-            scaled.backward()
-        return loss
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
     optimizer.step(closure)  # a clean step first: momentum and moments are not zero
     params = [p.detach().clone() for p in model.parameters()]
     masters = [m.detach().clone() for m in ampkit.master_params(optimizer)]
@@ -346,20 +353,9 @@ def test_an_overflow_inside_a_closure_reaches_no_weight(level):
     """The closure's scale_loss flagged the overflow for the next step() while the current
     one (LBFGS, inside which the closure ran) stepped the inf/NaN gradients."""
     import ampkit
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
-    model, optimizer = ampkit.initialize(model, optimizer, opt_level=level,
-                                         half_dtype=torch.float16, verbosity=0)
-    x, y = torch.randn(5, 8), torch.randn(5, 4)
-    blow_up = [False]
-
-    def closure():
-        optimizer.zero_grad()
-        loss = ((model(x).float() - y) ** 2).mean()
-        with ampkit.scale_loss(loss * (float("inf") if blow_up[0] else 1.0), optimizer) as scaled:
-            scaled.backward()
-        return loss
+    model, optimizer, x, y = _closure_setup(
+        level, lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=5))
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
     optimizer.step(closure)
     blow_up[0] = True
     optimizer.step(closure)
