@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import importlib
 import logging
@@ -173,3 +175,40 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class ModelOutputLike(collections.OrderedDict):
+    """What transformers' ``ModelOutput`` is to ampkit's walkers: a dataclass subclass that
+    is an OrderedDict of its non-None fields, read by attribute, by key and by index,
+    whose ``update``/``pop``/``setdefault``/``del`` raise, whose item assignment sets the
+    attribute too, and which copies through its fields (its ``__reduce__``)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                super().__setitem__(f.name, value)
+
+    def _refuse(self, *args, **kwargs):
+        raise Exception(f"You cannot use this method on a {type(self).__name__} instance.")
+
+    update = pop = setdefault = __delitem__ = _refuse
+
+    def __getitem__(self, key):
+        return self.to_tuple()[key] if isinstance(key, int) else super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, name, value) -> None:
+        if name in self.keys() and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+    def __reduce__(self):
+        args = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return type(self), args, *super().__reduce__()[2:]
+
+    def to_tuple(self) -> tuple:
+        return tuple(self[k] for k in self.keys())

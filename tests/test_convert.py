@@ -9,7 +9,7 @@ import inspect
 import pickle
 import types
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -17,10 +17,11 @@ from torch import nn
 
 from ampkit.convert import (ForwardCasts, cast_floating, cast_model, conversion_of,
                             convert_model, remove_conversion)
+from ampkit import initialize
 from ampkit.autocast import region_factory
 from ampkit.master import master_of
 from ampkit.optim import attach_master_weights
-from conftest import DEVICES, HALF_DTYPES
+from conftest import DEVICES, HALF_DTYPES, ModelOutputLike
 
 
 class Pair(NamedTuple):
@@ -449,3 +450,41 @@ def test_the_converted_forward_keeps_a_dataclass_field_set_after_construction():
     logits = model.lin(x.bfloat16())
     assert out.logits.dtype is torch.float32 and out.aux_loss.dtype is torch.float32
     assert torch.equal(out.aux_loss, logits.pow(2).mean().float())
+
+
+@dataclasses.dataclass
+class _EncoderOutput(ModelOutputLike):
+    last_hidden_state: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class _LMOutput(ModelOutputLike):
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+
+
+class _HFStyle(nn.Module):
+    """transformers' habits: a ModelOutput out, and an earlier one in (T5's encoder_outputs),
+    read by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, encoder_outputs: Optional[_EncoderOutput] = None):
+        hidden = encoder_outputs[0] if encoder_outputs is not None else x
+        logits = self.proj(hidden)
+        return _LMOutput(loss=logits.float().pow(2).mean(), logits=logits)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_transformers_model_output_stays_one_in_and_out(level):
+    """The casts made transformers' outputs plain dicts: out.loss, out[0], generate() and
+    T5's encoder_outputs[0] failed under O1-O3, for nearly every HF model."""
+    model = initialize(_HFStyle(), opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 8)
+    out = model(x, encoder_outputs=_EncoderOutput(last_hidden_state=x))
+    assert type(out) is _LMOutput and out[0] is out.loss and out["logits"] is out.logits
+    expected = torch.float32 if level != "O3" else torch.bfloat16  # O3 casts no output
+    assert out.logits.dtype is expected
+    out.loss.backward()

@@ -1,7 +1,10 @@
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
+
+from conftest import ModelOutputLike
 
 from ampkit import _dtypes
 from ampkit._dtypes import HALF_DTYPES, capability, recommend_policy, resolve_dtype
@@ -94,6 +97,26 @@ def test_cast_tree_keeps_a_defaultdicts_factory():
     cast = cast_tree(tree, torch.bfloat16)
     assert type(cast) is collections.defaultdict and cast["missing"] == []
     assert cast["x"].dtype is torch.bfloat16 and "missing" not in tree
+
+
+@dataclasses.dataclass
+class _CausalOutput(ModelOutputLike):
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+
+
+def test_a_transformers_model_output_keeps_its_type_and_fields():
+    """It came back a plain dict (its update() raises, and the rebuild fell back): an HF
+    model under O1/O2/O3 then failed on out.loss, out[0] and generate()."""
+    from ampkit._dtypes import cast_tree
+    out = _CausalOutput(loss=torch.ones(()), logits=torch.ones(2, 3, dtype=torch.bfloat16))
+    cast = cast_tree(out, torch.float32)
+    assert type(cast) is _CausalOutput and cast is not out
+    assert list(cast.keys()) == ["loss", "logits"] and cast.hidden is None
+    assert cast.logits.dtype is torch.float32 and cast["logits"] is cast.logits
+    assert cast[1] is cast.logits and cast.loss is out.loss
+    assert out.logits.dtype is torch.bfloat16  # the model's own object is left as it was
 
 
 @dataclasses.dataclass

@@ -209,13 +209,17 @@ def _field_names(obj: Any) -> list[str]:
 
 
 def _rebuild_mapping(original: dict, cast: dict) -> dict:
-    """A mapping of ``original``'s type holding ``cast`` (a defaultdict keeps its factory)."""
+    """A mapping of ``original``'s type holding ``cast`` (same keys): a copy with the
+    changed items set one by one, so a defaultdict keeps its factory and transformers'
+    ``ModelOutput`` (whose ``update`` and ``pop`` raise, and whose item assignment sets
+    the attribute too) stays one. A plain dict only where the type cannot be copied."""
     try:
         rebuilt = copy.copy(original)  # the subclass and its state (default_factory, ...)
-        rebuilt.clear()
-        rebuilt.update(cast)
+        for key, value in cast.items():
+            if value is not original[key]:
+                rebuilt[key] = value
         return rebuilt
-    except Exception:  # noqa: BLE001 - a mapping that cannot be copied or refilled
+    except Exception:  # noqa: BLE001 - a mapping that cannot be copied or set
         return cast
 
 
