@@ -243,6 +243,22 @@ def test_bad_values_exit_2_with_one_line(capsys, argv, words):
         assert word in line, (word, line)
 
 
+def test_an_unknown_option_is_reported_by_its_subcommand_with_the_closest_option(capsys):
+    """argparse left a subcommand's unknown option to the top level: "ampkit: error: ...
+    (see ampkit --help)", which lists no option of bench's."""
+    assert usage_error(capsys, "bench", "--polices", "bf16-mixed") == (
+        "ampkit bench: error: unrecognized arguments: --polices bf16-mixed; did you mean "
+        "--policies? (see ampkit bench --help)")
+    assert usage_error(capsys, "train", "--xyzzy", "--epochs", "1") == (
+        "ampkit train: error: unrecognized arguments: --xyzzy (see ampkit train --help)")
+    assert usage_error(capsys, "doctor", "--top=3", "--polcy=O2").startswith(
+        "ampkit doctor: error: unrecognized arguments: --polcy=O2; did you mean --policy?")
+    # The top level's own unknown option stays the top level's.
+    assert usage_error(capsys, "--verison", "info") == (
+        "ampkit: error: unrecognized arguments: --verison; did you mean --version? "
+        "(see ampkit --help)")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_names_the_valid_devices(capsys):
     line = usage_error(capsys, "bench", "--device", "cuda")

@@ -7,9 +7,10 @@ the valid choices (a ``UsageError`` from anywhere under the command); no traceba
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tempfile
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 
@@ -21,10 +22,46 @@ __all__ = ["Parser", "UsageError", "add_common", "check_device", "check_output_p
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the bad value, the valid ones, a hint)."""
+    """argparse, but a usage error is one line (the bad value, the valid ones, a hint), and
+    an unknown option is reported by the parser it was given to (a subcommand's own)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.unrecognized(extras)
+        return parsed
+
+    def unrecognized(self, extras: Sequence[str]) -> NoReturn:
+        """The usage error for arguments this parser does not know, with the closest option."""
+        known = [s for action in self._actions for s in action.option_strings]
+        close = [match for word in extras if word.startswith("-")
+                 for match in difflib.get_close_matches(word.partition("=")[0], known, n=1)]
+        self.error(f"unrecognized arguments: {' '.join(extras)}"
+                   + (f"; did you mean {close[0]}?" if close else ""))
+
+
+class _Subcommands(argparse._SubParsersAction):
+    """argparse's subcommands, but the subcommand's parser reports what it does not know
+    (argparse hands it to the top level: "ampkit: error", pointing at "ampkit --help")."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: Optional[str] = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        # argparse parks the subcommand's unknown arguments here for the top level.
+        extras = vars(namespace).pop(argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        chosen = self.choices.get(values[0])
+        if extras and isinstance(chosen, Parser):
+            chosen.unrecognized(extras)
+        if extras:
+            setattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, extras)
 
 
 def check_device(name: Optional[str]) -> str:
