@@ -259,6 +259,26 @@ def test_an_unknown_option_is_reported_by_its_subcommand_with_the_closest_option
         "(see ampkit --help)")
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "--data", "synthetic", "--epochs", "2", "--batch-size", "256"],
+    ["doctor", "--model", "mlp"],
+    ["bench", *TINY, "--policies", "32-true", "--isolate", "never"]])
+def test_a_closed_stdout_ends_the_command_quietly_with_sigpipes_status(argv):
+    """`ampkit train | head -1`: the reader stopped reading, which is no failure of the run
+    (it printed "ampkit train: failed: BrokenPipeError" and exited 1); a shell shows 141
+    for a process SIGPIPE ended, and nothing is printed, not at the interpreter's exit either."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "ampkit.cli", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the first line: every write to stdout fails
+    try:
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141, err
+    finally:
+        proc.kill()
+    assert err == ""
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_names_the_valid_devices(capsys):
     line = usage_error(capsys, "bench", "--device", "cuda")

@@ -10,11 +10,12 @@ before anything runs.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import sys
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -148,12 +149,24 @@ class Progress:
 
 
 # --- tables --------------------------------------------------------------------------------
+def console(out: IO[str], width: Optional[int] = None) -> Any:
+    """A rich Console on ``out`` (rich must be installed) whose closed pipe raises
+    BrokenPipeError, as ``print`` does: rich's own exits with status 1 and points stdout at
+    os.devnull, whatever ``out`` is; the CLI ends quietly on it (``ampkit.cli.main``)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    return _Console(file=out, width=width)
+
+
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
                  out: IO[str], left: Sequence[int] = (0,)) -> None:
     """A table: rich's when installed, else plain text; columns in ``left`` left-aligned,
     the others (numbers) right-aligned."""
     if have_rich():
-        from rich.console import Console
         from rich.table import Table
         table = Table(title=title)
         for i, head in enumerate(headers):
@@ -165,7 +178,7 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
         natural = 1 + sum(3 + max([len(h)] + [len(r[i]) for r in rows])
                           for i, h in enumerate(headers))
         width = None if out.isatty() else max(130, len(title), natural)
-        Console(file=out, width=width).print(table)
+        console(out, width).print(table)
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     out.write(title + "\n")

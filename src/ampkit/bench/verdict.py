@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import IO, Any, Optional, Sequence
 
 from .._measure import STABLE_HALF_WIDTH, half_width
-from .report import have_rich, render_table
+from .report import console as rich_console, have_rich, render_table
 from ..tune import REF_NOT_FINITE
 from .runner import recommend
 
@@ -121,7 +121,6 @@ def render_narrow(title: str, headers: Sequence[str], rows: Sequence[Sequence[st
             out.write(caption + "\n")
         return
     from rich import box
-    from rich.console import Console
     from rich.table import Table
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   caption=caption)
@@ -130,7 +129,7 @@ def render_narrow(title: str, headers: Sequence[str], rows: Sequence[Sequence[st
                          min_width=max(len(row[i]) for row in rows) if i == 0 else None)
     for row in rows:
         table.add_row(*row)
-    console = Console(file=out, width=None if out.isatty() else TABLE_WIDTH)
+    console = rich_console(out, None if out.isatty() else TABLE_WIDTH)
     console.width = min(console.width, TABLE_WIDTH)
     console.print(table)
 

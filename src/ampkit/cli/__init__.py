@@ -3,12 +3,15 @@
 One module per subcommand (``info``, ``bench``, ``train``, ...), each with
 ``add_parser(sub)`` and ``run(args) -> exit status``; ``_common`` holds what they share.
 Every bad value (model, policy, device, data, option) ends the command with exit status
-2 and one line on stderr naming it and the valid choices; no traceback.
+2 and one line on stderr naming it and the valid choices; no traceback. A reader that
+closes stdout early (``ampkit train | head -1``) ends the command quietly with status 141,
+a shell's status for a process SIGPIPE ended.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import sys
 from typing import Optional, Sequence
 
@@ -47,7 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.handler(args))
+        status = int(args.handler(args))
+        sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not at exit
+        return status
     except UsageError as err:
         print(f"ampkit {args.command}: error: {one_line(err)}", file=sys.stderr)
         return 2
@@ -55,8 +60,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ampkit {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - one line for users; AMPKIT_DEBUG=1 for the rest
+        if isinstance(err, BrokenPipeError) and _stdout_closed():
+            return _closed_stdout()
         if os.environ.get("AMPKIT_DEBUG"):
             raise
         print(f"ampkit {args.command}: failed: {type(err).__name__}: {one_line(err)} "
               "(AMPKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
+
+
+# A shell's status for a process killed by SIGPIPE (128 + 13), what `cmd | head` expects.
+SIGPIPE_STATUS = 141
+
+
+def _closed_stdout() -> int:
+    """A reader that stopped reading (``ampkit train | head -1``) is no failure: exit
+    quietly. stdout goes to os.devnull first, so that the interpreter's own flush at exit
+    does not report the pipe again (Python's docs, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_STATUS
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (and not another pipe, such as a
+    worker's, that broke): poll reports an error on its write end then."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or no poll (Windows)
+        return True
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
