@@ -49,6 +49,16 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_a_resumed_run_says_where_it_continues_before_its_epochs(capsys, ckpt):
+    """"resumed after epoch 1" came after the epochs trained, in the closing summary."""
+    assert main([*RESUME, str(ckpt)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ampkit train: mlp on synthetic with 32-true")
+    assert lines[1] == "resumed after epoch 1 of the checkpoint"
+    assert lines[2].startswith("epoch   2/2  train loss") and lines[3].startswith("final: epoch 2")
+    assert len(lines) == 4
+
+
 @pytest.mark.skipif(os.name != "posix", reason="stale means its writer is gone: a POSIX check")
 @pytest.mark.parametrize("resume", [False, True])
 def test_save_and_resume_remove_stale_temp_files_of_that_checkpoint_only(tmp_path, ckpt, resume):

@@ -148,6 +148,9 @@ def test_two_ranks_save_and_resume_bitwise(tmp_path, capsys):
     assert "2 ranks (DDP, gloo)" in out and "epoch   2/2  train loss" in out
     resumed = _train(tmp_path, "resumed", "--epochs", "3", "--checkpoint", ckpt, "--resume")
     assert resumed["resumed_from_epoch"] == 2
+    lines = capsys.readouterr().out.splitlines()  # said before the epochs, not after them
+    assert lines[1:3] == ["resumed after epoch 2 of the checkpoint", lines[2]]
+    assert lines[2].startswith("epoch   3/3  train loss")
     unbroken = _train(tmp_path, "unbroken", "--epochs", "3")
     assert _losses(resumed) == _losses(unbroken)  # bitwise: floats compare exactly
     assert resumed["final"]["test_loss"] == unbroken["final"]["test_loss"]

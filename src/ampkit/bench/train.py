@@ -310,14 +310,15 @@ def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
 def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
           on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None,
           on_warning: Optional[Warn] = None,
-          on_start: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+          on_start: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, Any]:
     """Train for ``settings.epochs`` epochs (continuing a checkpoint when ``resume``).
 
     Args:
         settings: the run. checkpoint: written after every epoch when given.
         resume: continue from ``checkpoint``. on_epoch: called with each epoch's record.
         on_start: called once the checkpoint, the data and the model are loaded (anything
-            refused is refused before it), before the first epoch.
+            refused is refused before it), before the first epoch, with the epochs the
+            checkpoint finished when resuming (else None).
         on_batch: called with a task label, returns a per-batch progress callback.
         on_warning: called with a sentence naming the module when a step goes non-finite
             (the first such step of an epoch); default ``warnings.warn``.
@@ -333,9 +334,9 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
     trainer = Trainer(settings, data, warn=on_warning)
     if state is not None:
         _resume(trainer, state, str(checkpoint))
-    if on_start is not None:
-        on_start()
     start = len(trainer.history)
+    if on_start is not None:
+        on_start(start if state is not None else None)
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, on_batch)
         trainer.history.append(record)

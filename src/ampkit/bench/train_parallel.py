@@ -94,10 +94,12 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                        checkpoint: Optional[str] = None, resume: bool = False,
                        on_epoch: Optional[OnEpoch] = None,
                        on_warning: Optional[Warn] = None,
-                       on_start: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+                       on_start: Optional[Callable[[Optional[int]], None]] = None
+                       ) -> dict[str, Any]:
     """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
     ``on_start`` is called once every rank has read its data, model and checkpoint,
-    before the first epoch (an error a rank finds before then comes without it).
+    before the first epoch (an error a rank finds before then comes without it), with the
+    epochs the checkpoint finished when resuming (else None), as :func:`train` calls it.
 
     Raises:
         UsageError: before launching: ``--resume`` without a checkpoint of this run's
@@ -145,7 +147,7 @@ class _EventReader:
     """The parent's side of rank 0's events file: epoch records and warnings, as they come."""
 
     def __init__(self, path: str, on_epoch: Optional[OnEpoch], on_warning: Optional[Warn],
-                 on_start: Optional[Callable[[], None]] = None) -> None:
+                 on_start: Optional[Callable[[Optional[int]], None]] = None) -> None:
         self.path, self.offset = path, 0
         self.on_epoch, self.on_warning, self.on_start = on_epoch, on_warning, on_start
 
@@ -160,7 +162,7 @@ class _EventReader:
         for line in complete.splitlines():
             event = json.loads(line)
             if "start" in event and self.on_start is not None:
-                self.on_start()
+                self.on_start(event["start"])
             elif "epoch" in event and self.on_epoch is not None:
                 self.on_epoch(event["epoch"])
             elif "warning" in event and self.on_warning is not None:
@@ -228,7 +230,7 @@ def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
     start = _load(trainer, checkpoint) if job["resume"] else 0
     # Every rank has its data, model and checkpoint: DDP's construction (a broadcast from
     # rank 0) and DCP's load wait for all of them. The header.
-    _event(events, rank, "start", start)
+    _event(events, rank, "start", start if job["resume"] else None)
     for epoch in range(start + 1, settings.epochs + 1):
         record = run_epoch(trainer, epoch, None)
         trainer.history.append(record)

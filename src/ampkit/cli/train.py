@@ -80,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
         if plan else ""
     header = (f"ampkit train: {settings.model} on {settings.data} with {policy} "
               f"({spec.policy}) on {device}{ranks}")
-    log = _train(args, settings, plan, out, lambda: print(header, file=out, flush=True))
+
+    def on_start(resumed_from: Optional[int]) -> None:
+        print(header, file=out, flush=True)
+        if resumed_from is not None:
+            print(f"resumed after epoch {resumed_from} of the checkpoint", file=out, flush=True)
+
+    log = _train(args, settings, plan, out, on_start)
     _print_train_summary(log, out)
     if args.json:
         report.write_json(dict({"command": "train", "environment": report.environment(device)},
@@ -89,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan],
-           out: Any, on_start: Callable[[], None]) -> dict[str, Any]:
+           out: Any, on_start: Callable[[Optional[int]], None]) -> dict[str, Any]:
     """The run's log: in this process, or on ``plan.nproc`` ranks under torchrun;
-    ``on_start`` prints the header once nothing more is refused before training (in this
-    process: data and model loaded; with ranks: once every rank has its data, model and
-    checkpoint)."""
+    ``on_start`` prints the header (and the epoch a resumed run continues after) once
+    nothing more is refused before training (in this process: data and model loaded; with
+    ranks: once every rank has its data, model and checkpoint)."""
     from ..bench import report
     from ..bench.train import train
 
@@ -151,8 +157,6 @@ def _epoch_line(record: dict[str, Any], epochs: int) -> str:
 
 
 def _print_train_summary(log: dict[str, Any], out: Any) -> None:
-    if log["resumed_from_epoch"] is not None:
-        print(f"resumed after epoch {log['resumed_from_epoch']} of the checkpoint", file=out)
     final = log["final"]
     if final is None:
         print("nothing was trained (epochs 0)", file=out)
