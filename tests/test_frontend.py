@@ -252,6 +252,8 @@ def _ddp() -> nn.Module:
     (dict(opt_level="O5"), ValueError, r"unknown opt_level 'O5'; valid: 'O0', 'O1', 'O2', 'O3'"),
     (dict(opt_level="0"), ValueError, r"did you mean 'O0', with the letter O\?\); valid: 'O0'"),
     (dict(opt_level=2), ValueError, r"unknown opt_level 2 .*did you mean 'O2'"),
+    (dict(opt_level="02"), ValueError, r"unknown opt_level '02' \(a zero: did you mean 'O2', "
+                                       r"with the letter O\?\); valid: 'O0'"),
     (dict(half_dtype=torch.float32), ValueError, r"half_dtype torch.float32 .* valid: .*bf16"),
     (dict(half_dtype="fp8"), ValueError, r"unknown half_dtype 'fp8'; valid names: .*fp16"),
     (dict(loss_scale="big"), ValueError, r"loss_scale 'big' is neither 'dynamic' nor"),
