@@ -377,6 +377,17 @@ def test_resume_refuses_fewer_epochs_than_done_and_a_foreign_file(tmp_path):
         assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, policy", [
+    (["--policy", "bf16-mixed"], "with bf16-mixed on cpu"),  # was "bf16-mixed (bf16-mixed)"
+    (["--opt-level", "O2"], "with O2 (p=bf16,c=bf16,o=f32,autocast=0,master=1,bn=1,"
+                            "scale=dynamic) on cpu")])
+def test_train_header_names_the_resolved_policy_only_where_it_differs(capsys, argv, policy):
+    assert main(["train", "--data", "synthetic", "--epochs", "1", "--batch-size", "256", "--quiet",
+                 *argv]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == f"ampkit train: mlp on synthetic {policy}"
+
+
 @pytest.mark.slow
 def test_train_command_checkpoint_and_resume_give_the_same_json(tmp_path):
     ckpt, whole, resumed = (str(tmp_path / n) for n in ("c.pt", "whole.json", "resumed.json"))

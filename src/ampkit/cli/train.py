@@ -78,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     ranks = f", {plan.nproc} rank{'s' if plan.nproc != 1 else ''} (DDP, {plan.backend})" \
         if plan else ""
-    header = (f"ampkit train: {settings.model} on {settings.data} with {policy} "
-              f"({spec.policy}) on {device}{ranks}")
+    # The policy a name resolved to, where it says more than the name ("O2" on a CPU).
+    resolved = "" if str(spec.policy) == policy else f" ({spec.policy})"
+    header = (f"ampkit train: {settings.model} on {settings.data} with {policy}{resolved} "
+              f"on {device}{ranks}")
 
     def on_start(resumed_from: Optional[int]) -> None:
         print(header, file=out, flush=True)
