@@ -319,7 +319,8 @@ def test_bad_trust_settings_exit_2_before_running(capsys, argv, words):
     assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def test_the_verdict_flags_doubts_and_far_loss_curves():
+def _two_row_document(**half_fields) -> dict:
+    """A bench document of 32-true and a 16-true whose loss moved 8%, on a busy machine."""
     ref = {"policy": "32-true", "half_dtype": None, "speedup": 1.0, "speedup_ci": [1.0, 1.0],
            "mem_ratio": 1.0, "max_loss_rel_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0,
            "losses": [1.0], "memory_method": "m", "adam_eps": 1e-8, "round_ms": [1.0] * 6,
@@ -327,11 +328,17 @@ def test_the_verdict_flags_doubts_and_far_loss_curves():
            "loss_scaling": "off", "skipped_steps": None, "compile_s": None}
     half = dict(ref, policy="16-true", half_dtype="float16", speedup=1.02, speedup_ci=[0.9, 1.2],
                 max_loss_rel_dev=0.08, adam_eps=1e-4, pure_fp32=False, losses=[1.08])
-    doc = {"environment": {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
-                           "native": {"bf16": True, "fp16": False, "fp8": False}},
-           "results": [ref, half], "workload": "w", "machine": {"busy": True, "loadavg_1m": 3.0,
-                                                                 "cpus": 2, "governor": None},
-           "settings": {"steps": 6, "warmup": 1, "threads": 1, "max_time": 0}}
+    half.update(half_fields)
+    return {"environment": {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
+                            "native": {"bf16": True, "fp16": False, "fp8": False}},
+            "results": [ref, half], "workload": "w", "machine": {"busy": True, "loadavg_1m": 3.0,
+                                                                  "cpus": 2, "governor": None},
+            "settings": {"steps": 6, "warmup": 1, "threads": 1, "max_time": 0}}
+
+
+def test_the_verdict_flags_doubts_and_far_loss_curves():
+    doc = _two_row_document()
+    half = doc["results"][1]
     text = " ".join(verdict.complete(doc, 0.02)["verdict"])
     assert "no measurable difference" in text
     assert "moved up to 8% from 32-true's, more than the 2% tolerance" in text
@@ -368,3 +375,16 @@ def test_an_interval_bound_is_never_rounded_onto_or_across_one():
     assert interval((0.78, 0.996)) == "0.78–0.996"
     assert interval((1.004, 1.2)) == "1.004–1.20"
     assert interval((0.9, 1.02)) == "0.90–1.02" and interval((1.0, 1.0)) == "1.00–1.00"
+
+
+@pytest.mark.parametrize("rounds, ci, sentence", [
+    (2, None, "Timings NOT stable: 2 rounds are too few for a 95% interval, which takes 6; "),
+    (6, [0.9, 1.1], "Timings NOT stable: after 6 rounds the widest 95% interval is ±10%, wider "
+                    "than the ±5% target; ")])
+def test_unstable_timings_are_one_plain_sentence(rounds, ci, sentence):
+    """It read "after 2 rounds too few rounds for a 95% interval (6 needed) (target ±5%)"."""
+    doc = _two_row_document(speedup=1.0, speedup_ci=ci)
+    doc["results"][0]["round_ms"] = [1.0] * rounds
+    lines = verdict.complete(doc, 0.02)["verdict"]
+    line = next(line for line in lines if line.startswith("Timings NOT stable"))
+    assert line.startswith(sentence + "small differences mean nothing here. Try "), line

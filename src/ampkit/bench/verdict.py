@@ -318,15 +318,15 @@ def _stability_sentence(document: dict[str, Any]) -> str:
     if stab["stable"]:
         return (f"Timings stable: every speedup's 95% interval is within ±{stab['target']:.0%} "
                 f"of it after {stab['rounds']} rounds.")
-    widest = stab["widest_half_width"]
-    reach = ("too few rounds for a 95% interval (6 needed)" if widest is None
-             else f"the widest 95% interval is ±{widest:.0%}")
+    widest, rounds = stab["widest_half_width"], stab["rounds"]
+    reach = (f"{rounds} round{' is' if rounds == 1 else 's are'} too few for a 95% interval, "
+             "which takes 6" if widest is None else f"after {rounds} rounds the widest 95% "
+             f"interval is ±{widest:.0%}, wider than the ±{stab['target']:.0%} target")
     budget = settings.get("max_time") or 0
     hints = ["--threads 1" if (settings.get("threads") or 1) > 1 else None,
              "a quieter machine", f"more --steps or --max-time (was {budget:g} s)" if budget
              else "--max-time 20 (more rounds until the intervals are stable)"]
-    return (f"Timings NOT stable: after {stab['rounds']} rounds {reach} (target "
-            f"±{stab['target']:.0%}); small differences mean nothing here. Try "
+    return (f"Timings NOT stable: {reach}; small differences mean nothing here. Try "
             f"{', '.join(h for h in hints if h)}.")
 
 
