@@ -120,6 +120,20 @@ def test_bench_default_isolates_policies_and_writes_json_to_stdout():
     assert here["compile_s"] is None and here["warmup_ms"] > 0
 
 
+def test_bench_and_doctor_json_record_the_batch_size_used(tmp_path, capsys):
+    """settings.batch_size was null when the model's default was used (--batch-size not given)."""
+    bench, doctor = tmp_path / "bench.json", tmp_path / "doctor.json"
+    assert main(["bench", *(a for a in TINY if a not in ("--batch-size", "8")), "--policies",
+                 "32-true", "--isolate", "never", "--json", str(bench)]) == 0
+    assert main(["doctor", "--model", "mlp", "--quiet", "--json", str(doctor)]) == 0
+    for path in (bench, doctor):  # the 10-100-10 MLP's default batch on a CPU
+        assert json.loads(path.read_text())["settings"]["batch_size"] == 100, path.name
+    given = tmp_path / "given.json"
+    assert main(["bench", *TINY, "--policies", "32-true", "--isolate", "never", "--json",
+                 str(given)]) == 0
+    assert json.loads(given.read_text())["settings"]["batch_size"] == 8
+
+
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="--plot needs matplotlib (cli extra)")
 def test_bench_plot_writes_a_png(tmp_path):
     png = tmp_path / "plots" / "bench.png"

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     # the plot and the recommendation are about the others; the JSON keeps every row.
     failures = failed(results)
     measured = [r for r in results if "error" not in r]
-    document = _bench_document(measured, settings, workload.description, isolate, device)
+    document = _bench_document(measured, settings, workload, isolate, device)
     document["settings"]["threads_reason"] = threads_reason
     document["machine"] = machine
     verdict.complete(document, args.max_loss_dev)
@@ -172,14 +172,17 @@ def _check_numbers(args: argparse.Namespace) -> None:
                          "valid: e.g. 0.02 (2%)")
 
 
-def _bench_document(results: list[dict[str, Any]], settings: Any, workload: str,
+def _bench_document(results: list[dict[str, Any]], settings: Any, workload: Any,
                     isolate: bool, device: str) -> dict[str, Any]:
     from ..bench.report import environment
 
     env = environment(device)
+    # batch_size: the one the runs used (the model's default when --batch-size was not
+    # given), as tune's JSON has it.
     document = {"command": "bench", "device": env["device"], "torch": env["torch"],
-                "ampkit": env["ampkit"], "environment": env, "workload": workload,
-                "settings": dict(asdict(settings), process_per_policy=isolate,
+                "ampkit": env["ampkit"], "environment": env, "workload": workload.description,
+                "settings": dict(asdict(settings), batch_size=workload.batch_size,
+                                 process_per_policy=isolate,
                                  policies=[r["policy"] for r in results]),
                 "results": results}
     return document  # verdict.complete adds the verdict and the recommendation

@@ -113,8 +113,7 @@ def run(args: argparse.Namespace) -> int:
     title = f"ampkit doctor: {workload.description}, {policy} on {device}"
     _print_report(result, title, args.top, out)
     if args.json:
-        out_report.write_json(_document(result, args, workload.description, policy, device),
-                              args.json)
+        out_report.write_json(_document(result, args, workload, policy, device), args.json)
     if args.plot:
         from ..diagnose.plot import save_plot
         save_plot(result, args.plot, title)
@@ -188,12 +187,14 @@ def _first(first: Optional[tuple[str, str]]) -> str:
     return f"module {name or '<model>'!r}, its {what} in the {phase} pass"
 
 
-def _document(result: Any, args: argparse.Namespace, workload: str, policy: str,
+def _document(result: Any, args: argparse.Namespace, workload: Any, policy: str,
               device: str) -> dict[str, Any]:
     from ..bench.report import environment
 
     env = environment(device)
+    # batch_size: the one inspected (the model's default when --batch-size was not given).
     return dict(result.to_dict(), command="doctor", device=env["device"], torch=env["torch"],
-                ampkit=env["ampkit"], environment=env, workload=workload,
+                ampkit=env["ampkit"], environment=env, workload=workload.description,
                 settings={"model": args.model, "policy": args.policy, "resolved_policy": policy,
-                          "batch_size": args.batch_size, "seed": args.seed, "device": device})
+                          "batch_size": workload.batch_size, "seed": args.seed,
+                          "device": device})
