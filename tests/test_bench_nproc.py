@@ -86,12 +86,13 @@ def run_in_process(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str,
 @needs_two_cores
 def test_two_ranks_report_global_throughput_and_scaling(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    status, out, err = run_in_process(capsys, "bench", "--model", "mlp", "--policies", "32-true",
-                                      "--nproc", "2", "--json", str(path), *TINY)
+    status, out, err = run_in_process(capsys, "bench", "--model", "mlp", "--policies",
+                                      "32-true,bf16-mixed", "--nproc", "2", "--json", str(path),
+                                      *TINY)
     assert status == 0, err
     doc = json.loads(path.read_text())
     assert doc["nproc"] == 2 and doc["parallel"] == "ddp" and doc["backend"] == "gloo"
-    (result,) = doc["results"]
+    result, half = doc["results"]
     assert result["samples_per_s"] > 0 and result["samples_per_s_1proc"] > 0
     # Per round: one-process round time / the slowest rank's (a median over rounds, with
     # an interval once there are enough of them).
@@ -102,6 +103,16 @@ def test_two_ranks_report_global_throughput_and_scaling(tmp_path, capsys):
     # gradient and the loss curves agree.
     assert result["loss_dev_vs_1proc"] == pytest.approx(0, abs=1e-6)
     assert "scaling efficiency" in out and "2 ranks (DDP, gloo" in out
+    # Every policy shared one process per rank: no memory ratio is a finding ("O2: ...,
+    # 0.01× its peak memory"), and the JSON says why there is none.
+    assert [r["mem_ratio"] for r in doc["results"]] == [None, None]
+    assert "not comparable" in half["mem_ratio_reason"]
+    assert "its peak memory" not in out and "No memory ratios: every policy ran" in out
+    # The sentences describe what the table shows: no interval from 1 round, no memory
+    # ratio, and the settings the ranks ran (exactly --steps: no --max-time to raise).
+    workload = next(line for line in out.splitlines() if line.startswith("Workload:"))
+    assert workload.endswith("; speedup (the median of per-round ratios) relative to 32-true.")
+    assert doc["settings"]["max_time"] == 0 and "more --steps (--nproc runs exactly" in out
 
 
 @needs_two_cores

@@ -16,7 +16,7 @@ import torch
 from ampkit._dtypes import device_policies
 from ampkit import _measure as measure
 from ampkit.bench import recommend, verdict
-from ampkit.bench.runner import BenchSettings, play_rounds, stable
+from ampkit.bench.runner import BenchSettings, compare, play_rounds, stable
 from ampkit.cli import main
 
 TINY = ["--model", "mlp", "--batch-size", "8", "--warmup", "1", "--quiet"]
@@ -388,3 +388,20 @@ def test_unstable_timings_are_one_plain_sentence(rounds, ci, sentence):
     lines = verdict.complete(doc, 0.02)["verdict"]
     line = next(line for line in lines if line.startswith("Timings NOT stable"))
     assert line.startswith(sentence + "small differences mean nothing here. Try "), line
+
+
+def test_memory_that_is_not_comparable_gives_no_ratio_and_says_why():
+    """bench --nproc on a CPU printed "O2: ..., 0.01× its peak memory" for policies that
+    shared one process per rank, below a note that they had."""
+    doc = _two_row_document(round_ms=[0.9] * 6, step_ms=0.9, losses=[1.001], peak_mem_mib=0.01)
+    for row in doc["results"]:
+        row["mem_ratio_reason"] = "they shared a process"
+    compare(doc["results"])  # the half row: faster, its loss within 0.1%: recommended
+    assert [r["mem_ratio"] for r in doc["results"]] == [None, None]
+    text = "\n".join(verdict.complete(doc, 0.02)["verdict"])
+    assert "its peak memory" not in text and "No memory ratios: they shared a process." in text
+    assert "and memory relative to" not in text
+    assert doc["recommendation"]["rows"][1]["mem_ratio"] is None
+    assert doc["recommended"] == "16-true"
+    assert "its peak memory" not in doc["recommendation"]["sentence"]
+    assert verdict.bench_rows(doc["results"])[1][4] == "-"

@@ -48,8 +48,8 @@ from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
 from .runner import BenchSettings, PolicyRun, Setup, compare, max_loss_deviation, play_rounds
 
-__all__ = ["Parallel", "ParallelPlan", "check_plan", "run_parallel_bench",
-           "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
+__all__ = ["Parallel", "ParallelPlan", "check_plan", "rank_settings", "run_parallel_bench",
+           "scaling_rows", "scaling_sentence", "SCALING_HEADERS", "SHARED_RSS"]
 
 _PG_TIMEOUT = datetime.timedelta(minutes=60)  # the baseline runs while the others wait
 _RESULTS = "results.json"
@@ -137,7 +137,8 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
 
     Each result is the bench's per-policy result with the global ``samples_per_s``,
     ``scaling_efficiency``, ``samples_per_s_1proc``, ``per_rank`` numbers (step time,
-    samples/s, peak memory) and ``peak_mem_mib`` the largest rank's.
+    samples/s, peak memory) and ``peak_mem_mib`` the largest rank's; on a CPU, where the
+    policies share a process per rank, ``mem_ratio`` is None and ``mem_ratio_reason`` says why.
 
     Raises:
         UsageError: ``settings.compile`` (before anything starts).
@@ -148,11 +149,8 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
         # away the compiled code of the runs it takes turns with in the same rank.
         raise UsageError("--compile with --nproc: the runs that take turns on a rank would "
                          "recompile each other; valid: --nproc without --compile")
-    # Threads: the cores shared out among the ranks (fewer when --threads asks for fewer).
-    # Exactly --steps steps: more rounds "until stable" would be each rank's own decision,
-    # and the ranks must take the same steps.
-    threads = min(settings.threads or plan.threads, plan.threads)
-    settings = dataclasses.replace(settings, threads=threads, max_time=0.0)
+    settings = rank_settings(settings, plan)
+    threads = settings.threads or plan.threads
     with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
         job = os.path.join(folder, "job.json")
         with open(job, "w") as out:
@@ -161,7 +159,26 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
                        "folder": folder}, out)
         launch_ranks(__name__, job, plan.nproc, threads, folder, os.path.join(folder, _RESULTS))
         with open(os.path.join(folder, _RESULTS)) as src:
-            return compare(json.load(src))
+            results = json.load(src)
+    if torch.device(settings.device).type == "cpu":
+        for result in results:
+            result["mem_ratio_reason"] = SHARED_RSS
+    return compare(results)  # mem_ratio None where mem_ratio_reason says why
+
+
+# A CPU rank runs every policy in one process, where peak RSS is not one policy's alone.
+SHARED_RSS = ("every policy ran in the same process on each rank, where a later one reuses "
+              "heap memory an earlier one freed, so one policy's peak RSS is not comparable "
+              "with another's")
+
+
+def rank_settings(settings: BenchSettings, plan: ParallelPlan) -> BenchSettings:
+    """The settings each rank runs: the cores shared out among the ranks as threads (fewer
+    when --threads asks for fewer), and exactly --steps steps (``max_time`` 0): more rounds
+    "until stable" would be each rank's own decision, and the ranks must take the same steps.
+    """
+    threads = min(settings.threads or plan.threads, plan.threads)
+    return dataclasses.replace(settings, threads=threads, max_time=0.0)
 
 
 # --- the table and the sentence -----------------------------------------------------------

@@ -366,6 +366,14 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return None if num is None or not den else num / den
 
 
+def _mem_ratio(result: dict[str, Any], ref: dict[str, Any]) -> Optional[float]:
+    """Peak memory relative to the reference's; None where a result's ``mem_ratio_reason``
+    says the peaks are not comparable (``ampkit bench --nproc`` on a CPU)."""
+    if result.get("mem_ratio_reason") or ref.get("mem_ratio_reason"):
+        return None
+    return _ratio(result["peak_mem_mib"], ref["peak_mem_mib"])
+
+
 def max_loss_deviation(losses: list[Optional[float]], ref: list[Optional[float]]) -> Optional[float]:
     """Largest |loss - reference loss| over the steps; None when either went non-finite."""
     pairs = list(zip(losses, ref))
@@ -406,7 +414,7 @@ def compare(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ref = ok[0]
     for res in ok:
         res["speedup"], res["speedup_ci"] = speedup_over(res, ref)
-        res["mem_ratio"] = _ratio(res["peak_mem_mib"], ref["peak_mem_mib"])
+        res["mem_ratio"] = _mem_ratio(res, ref)
         res["max_loss_dev"] = max_loss_deviation(res["losses"], ref["losses"])
         res["max_loss_rel_dev"] = relative_loss_deviation(res["losses"], ref["losses"])
     return results
@@ -445,5 +453,5 @@ def _rule_row(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
             "max_loss_dev": relative_loss_deviation(result["losses"], ref["losses"]),
             "speedup": speedup, "speedup_ci": interval,
             "peak_mib": result["peak_mem_mib"],
-            "mem_ratio": _ratio(result["peak_mem_mib"], ref["peak_mem_mib"])}
+            "mem_ratio": _mem_ratio(result, ref)}
 

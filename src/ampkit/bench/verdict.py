@@ -195,7 +195,9 @@ def bench_verdict(document: dict[str, Any]) -> list[str]:
         lines.append(_cpu_slowdown(slower, native, settings, document.get("machine") or {}))
     lines += _row_sentences(results, native)
     lines.append(f"Peak memory: {ref['memory_method']}.")
-    if env["device"] == "cpu" and not settings.get("process_per_policy", True):
+    if ref.get("mem_ratio_reason"):
+        lines.append(f"No memory ratios: {ref['mem_ratio_reason']}.")
+    elif env["device"] == "cpu" and not settings.get("process_per_policy", True):
         lines.append("All policies ran in one process: a later policy reuses heap memory an "
                      "earlier one freed, so its peak RSS is understated (--isolate always "
                      "measures each in a process of its own).")
@@ -209,14 +211,19 @@ def _yes(flag: bool) -> str:
 
 
 def _workload_sentence(document: dict[str, Any]) -> str:
-    settings, ref = document["settings"], document["results"][0]
+    """What ran and what the table's speedup and mem × columns are relative to (only what
+    the table shows: no interval where none was measured, no memory ratio where none is)."""
+    settings, results = document["settings"], document["results"]
+    ref = results[0]
     steps = len(ref.get("step_times_ms") or []) or settings["steps"]
     rounds = (document.get("stability") or {}).get("rounds")
-    how, speedup = ((f"taking turns in {rounds} rounds", "the median of per-round ratios, "
-                     "with its 95% interval") if rounds else
+    intervals = any(r.get("speedup_ci") is not None for r in results[1:])
+    how, speedup = ((f"taking turns in {rounds} rounds", "the median of per-round ratios"
+                     + (", with its 95% interval" if intervals else "")) if rounds else
                     ("one policy after another", "the ratio of median step times"))
+    memory = "" if ref.get("mem_ratio_reason") else " and memory"
     return (f"Workload: {document['workload']}; {steps} timed steps per policy, {how}, after "
-            f"{settings['warmup']} warm-up steps; speedup ({speedup}) and memory relative to "
+            f"{settings['warmup']} warm-up steps; speedup ({speedup}){memory} relative to "
             f"{ref['policy']}.")
 
 
@@ -323,9 +330,11 @@ def _stability_sentence(document: dict[str, Any]) -> str:
              "which takes 6" if widest is None else f"after {rounds} rounds the widest 95% "
              f"interval is ±{widest:.0%}, wider than the ±{stab['target']:.0%} target")
     budget = settings.get("max_time") or 0
+    more = ("more --steps (--nproc runs exactly --steps)" if document.get("nproc") else
+            f"more --steps or --max-time (was {budget:g} s)" if budget else
+            "--max-time 20 (more rounds until the intervals are stable)")
     hints = ["--threads 1" if (settings.get("threads") or 1) > 1 else None,
-             "a quieter machine", f"more --steps or --max-time (was {budget:g} s)" if budget
-             else "--max-time 20 (more rounds until the intervals are stable)"]
+             "a quieter machine", more]
     return (f"Timings NOT stable: {reach}; small differences mean nothing here. Try "
             f"{', '.join(h for h in hints if h)}.")
 

@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
                              warmup=args.warmup if args.warmup is not None else (5 if cuda else 3),
                              batch_size=args.batch_size, compile=args.compile, seed=args.seed,
                              lr=args.lr, threads=threads, max_time=args.max_time)
+    if plan is not None:  # what the ranks run, for the JSON and the sentences to say
+        settings = parallel.rank_settings(settings, plan)
+        threads_reason = threads_reason if settings.threads == threads else None
     machine = measure.machine_state(threads)  # before the run: its own load is not in it
     # CPU peak RSS only grows within a process: a fresh one per policy keeps it fair.
     isolate = {"always": True, "never": False, "auto": not cuda}[args.isolate]
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     document = _bench_document(measured, settings, workload, isolate, device)
     document["settings"]["threads_reason"] = threads_reason
     document["machine"] = machine
+    if plan is not None:
+        document.update(plan.fields())
     verdict.complete(document, args.max_loss_dev)
     verdict.render_bench_table(f"ampkit bench: {workload.description} on {device}", measured, out)
     if failures:
@@ -146,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
         document["verdict"].append("Interrupted: these figures are from the steps run before "
                                    "the interrupt.")
     if plan is not None:
-        document.update(plan.fields())
         report.render_table(f"scaling: {plan.nproc} ranks, {plan.parallel.value}",
                             parallel.SCALING_HEADERS, parallel.scaling_rows(results), out)
         document["verdict"].append(parallel.scaling_sentence(plan, results))
