@@ -547,3 +547,42 @@ def test_a_module_used_under_two_names_is_selected_by_either():
     assert h.dtype == F32 and out.dtype == BF16
     with pytest.raises(ValueError, match=r"pattern 'decoder' matches no module.*'enc', 'dec'"):
         ampkit.keep_fp32(model, ["decoder"])
+
+
+class _TiedLM(nn.Module):
+    """GPT-2's layout: the output layer's weight is the token embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.ln = nn.Embedding(16, 8), nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(self.wte(ids)))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("kept, other", [(["lm_head"], "wte"), (["wte"], "lm_head")])
+@pytest.mark.parametrize("when", ["initialize", "before"])
+def test_keeping_one_side_of_a_tied_weight_is_refused_under_a_half_cast(level, kept, other,
+                                                                        when):
+    """The shared weight got one dtype, and the other module met the wrong one: GPT-2 with
+    lm_head kept crashed at its first forward (mat1 and mat2 dtypes), and with wte kept
+    ran with the module asked to stay fp32 in bf16, without a word."""
+    model = _TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    if when == "before":
+        ampkit.keep_fp32(model, kept)
+    with pytest.raises(ValueError, match=rf"^keep_fp32: '{kept[0]}' is kept in fp32, but its "
+                                         rf"parameter '{kept[0]}.weight' is also "
+                                         rf"'{other}.weight', outside the selection, which the "
+                                         rf"policy casts to torch.bfloat16; .* valid: keep both "
+                                         rf"'{kept[0]}' and '{other}' in fp32, or neither$"):
+        ampkit.initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16,
+                          keep_fp32=kept if when == "initialize" else None, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    both = ampkit.initialize(_TiedLM(), opt_level=level, half_dtype=torch.bfloat16,
+                             keep_fp32=["wte", "lm_head"], verbosity=0)
+    out = both(torch.tensor([[1, 2]]))  # kept together: it runs (O3 casts no output)
+    assert out.dtype == (torch.float32 if level == "O2" else torch.bfloat16)

@@ -106,6 +106,9 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
     masters = policy.master_weights or check_bool("masters_of_half_params", masters_of_half_params)
     check_params(model_list, opt_list, masters, only_half=not policy.master_weights)
     kept = None if keep_fp32 is None else _select_kept(model_list, keep_fp32)
+    if policy.param_dtype in HALF_DTYPES:  # the selection decides which parameters stay fp32
+        for model, names in zip(model_list, kept or [keep.kept_names(m) for m in model_list]):
+            keep.check_shared(model, names, policy.param_dtype)
     return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept,
                 masters)
 

@@ -154,6 +154,29 @@ def check_not_fp8(model: nn.Module, names: Iterable[str], caller: str = "keep_fp
                              "leave it out with convert_to_fp8(..., module_filter=...)")
 
 
+def check_shared(model: nn.Module, names: Iterable[str], half: torch.dtype) -> None:
+    """Refuse a selection that keeps a parameter in fp32 which a module outside it uses too
+    (tied weights: GPT-2's lm_head and its token embedding), under a policy that casts the
+    parameters to ``half``: a parameter has one dtype, and whichever it got, one of the
+    two modules would meet a dtype it does not expect."""
+    names = list(names)
+    inside = {id(m) for name in names for m in model.get_submodule(name).modules()}
+    kept = {id(p): f"{name}.{pname}".strip(".") for name in names
+            for pname, p in model.get_submodule(name).named_parameters()}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in inside:
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in kept:
+                other = f"{module_name}.{pname}".strip(".")
+                holder = next(n for n in names if kept[id(param)].startswith(f"{n}.".lstrip(".")))
+                raise ValueError(
+                    f"keep_fp32: {holder!r} is kept in fp32, but its parameter "
+                    f"{kept[id(param)]!r} is also {other!r}, outside the selection, which the "
+                    f"policy casts to {half}; a parameter has one dtype; valid: keep both "
+                    f"{holder!r} and {module_name!r} in fp32, or neither")
+
+
 def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[str]:
     """The names of ``model``'s modules that ``modules`` selects (validated, in model order).
 

@@ -117,6 +117,8 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
     half_mp, fp32_mp, root_mp = _unit_policies(pol)
     units = _ordered_units(blocks, kept)
     _check_shared(model, [name for name, _ in units])
+    if pol.param_dtype in HALF_DTYPES and not pol.master_weights:  # cast below
+        keep.check_shared(model, keep.kept_names(model), pol.param_dtype)
     # Nothing was modified above this line.
     if pol.param_dtype in HALF_DTYPES and not pol.master_weights:
         # Pure-half policies (O3, "16-true"): the sharded parameters, which the optimizer
