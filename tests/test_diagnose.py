@@ -244,6 +244,30 @@ def test_an_fp8_policy_without_an_fp8_layer_says_none_ran_in_fp8():
     assert "'bf16-mixed'" in report.advice[0] and "keep the policy" not in report.advice[0]
 
 
+class _Conv1D(nn.Module):
+    """transformers' GPT-2 projection: a matmul that is not an nn.Linear."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_an_fp8_report_says_when_most_matmuls_did_not_run_in_fp8():
+    """GPT-2 (Conv1D projections) under fp8 converted only its lm_head: 7% of the FLOPs
+    ran in fp8, and the advice was "keep the policy 'fp8-tensorwise'"."""
+    model = nn.Sequential(_Conv1D(32, 64), nn.ReLU(), _Conv1D(64, 64), nn.Linear(64, 16))
+    report = inspect(model, torch.randn(8, 32), policy="fp8-tensorwise")
+    share = sum(n for d, n in report.flops.items() if d.startswith("float8")) / sum(report.flops.values())
+    assert 0 < share < 0.5
+    assert report.advice == [f"Only {share:.0%} of the matmul FLOPs ran in fp8 under fp8-tensorwise; "
+                             "the rest ran in bf16, in modules convert_to_fp8 does not take (it "
+                             "takes exactly nn.Linear with in and out features multiples of 16; "
+                             "not, e.g., transformers' Conv1D) or in attention and convolutions."]
+
+
 def test_rowwise_fp8_counts_every_gemm_in_e4m3():
     model = nn.Sequential(nn.Linear(32, 32))
     report = inspect(model, torch.randn(16, 32), policy="fp8-rowwise")

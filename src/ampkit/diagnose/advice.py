@@ -15,7 +15,9 @@ The rules, most urgent first (at most :data:`PER_RULE` modules each):
    dynamic loss scaling / switch fp16 -> bf16;
 7. the first module whose output SQNR is below :data:`LOW_SQNR_DB` (where accuracy is
    lost; the modules after it inherit the error): keep it in fp32 / exclude it from fp8;
-8. an fp8 policy under which no layer ran in fp8: say so (it ran as bf16-mixed);
+8. an fp8 policy under which no layer ran in fp8: say so (it ran as bf16-mixed); one
+   under which less than :data:`FP8_SHARE_NOTED` of the FLOPs did: say which modules
+   convert_to_fp8 does not take;
 9. nothing found: keep the policy.
 """
 
@@ -28,6 +30,8 @@ from typing import Optional
 import torch
 
 from ..fp8.config import FP8_BASE_POLICY
+
+FP8_SHARE_NOTED = 0.5  # below this share of the FLOPs in fp8, an fp8 report says so
 from .report import ModuleStats, dtype_name
 
 UNDERFLOW = 0.01  # a module is flagged when 1% of its nonzero values flush to zero
@@ -51,6 +55,7 @@ class Context:
     fp8_layers: frozenset[str] = frozenset()
     fp8: bool = False  # an fp8 policy: Linear layers in fp8 under bf16 autocast
     grad_amax: dict[str, float] = field(default_factory=dict)
+    fp8_share: float = 0.0  # of the matmul and convolution FLOPs, those in an fp8 dtype
 
 
 def advise(modules: list[ModuleStats], ctx: Context) -> list[str]:
@@ -69,6 +74,11 @@ def advise(modules: list[ModuleStats], ctx: Context) -> list[str]:
                          "nn.Linear, in and out features multiples of 16), so every matmul ran "
                          f"in bf16, as under {FP8_BASE_POLICY!r}: use that policy, or make the "
                          "layers' features multiples of 16 for fp8.")
+    if ctx.fp8 and ctx.fp8_layers and ctx.fp8_share < FP8_SHARE_NOTED:
+        sentences.append(f"Only {ctx.fp8_share:.0%} of the matmul FLOPs ran in fp8 under "
+                         f"{ctx.policy}; the rest ran in bf16, in modules convert_to_fp8 does not "
+                         "take (it takes exactly nn.Linear with in and out features multiples of "
+                         "16; not, e.g., transformers' Conv1D) or in attention and convolutions.")
     return sentences or [f"No module overflows, underflows or falls below {LOW_SQNR_DB:g} dB "
                          f"SQNR under {ctx.policy}: keep the policy {ctx.policy!r}."]
 

@@ -281,9 +281,16 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                   setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
                   ref_finite=math.isfinite(losses[0]),
                   kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
-                  fp8=setup.fp8_recipe is not None, grad_amax=grad_amax)
+                  fp8=setup.fp8_recipe is not None, grad_amax=grad_amax,
+                  fp8_share=_fp8_share(counter.flops))
     return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
+
+
+def _fp8_share(flops: dict[str, int]) -> float:
+    """The share of the matmul and convolution FLOPs that ran in an fp8 dtype."""
+    total = sum(flops.values())
+    return sum(n for dtype, n in flops.items() if dtype.startswith("float8")) / total if total else 0.0
 
 
 def _apply(work: nn.Module, setup: _Setup) -> frozenset[str]:
