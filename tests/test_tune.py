@@ -170,6 +170,38 @@ def _fake_timings(faster: set[str]):
     return fake
 
 
+class _SharedProj(nn.Module):
+    """A Linear registered under two parents: as ``proj``, and inside ``blk``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 32)
+        self.blk = nn.Sequential(self.proj, nn.ReLU())
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blk(x))
+
+
+def test_an_fp8_layer_reached_under_two_names_is_converted_by_autotune_and_apply(monkeypatch):
+    """ampkit's own filters chose layers by name: a Linear also reached as 'blk.0' was
+    accepted as 'proj' and refused as 'blk.0', and convert_to_fp8 refused the split, so
+    autotune and TuneResult.apply raised on a model the user gave no filter for."""
+    from ampkit.fp8.select import LayerTiming
+    from ampkit.tune import TuneResult
+
+    def fake(model, inputs, *, recipe):
+        return [LayerTiming(name, 32, 16, 32, bf16_ms=1.0, fp8_ms=0.5) for name in ("proj", "out")]
+    monkeypatch.setattr("ampkit.tune.time_fp8_layers", fake)
+    x = torch.randn(32, 16)
+    result = ampkit.autotune(_SharedProj(), x, torch.randn(32, 16), candidates=["fp8"], steps=3)
+    assert result.details[1]["fp8_modules"] == ["proj", "out"] and result.rows[1]["step_ms"]
+    model = _SharedProj()
+    TuneResult("fp8", [], 1.0, fp8_modules=["proj", "out"]).apply(model)
+    assert type(model.proj).__name__ == "Float8Linear" and model.blk[0] is model.proj
+
+
 def test_an_fp8_candidate_without_a_faster_layer_is_not_trained(monkeypatch):
     monkeypatch.setattr("ampkit.tune.time_fp8_layers", _fake_timings(set()))
     x, y = _batch()

@@ -38,6 +38,7 @@ from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from ._rng import RngReplay
 from .fp8 import convert_to_fp8
+from .fp8.convert import selecting
 from .fp8.config import FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import OPT_LEVELS, get_policy
@@ -339,9 +340,8 @@ class _Run:
         with self._tracked():
             self.model = copy.deepcopy(model).to(device)
             if recipe is not None:
-                chosen = set(self.fp8_modules)
                 convert_to_fp8(self.model, recipe=recipe,
-                               module_filter=lambda _, fqn: fqn in chosen)
+                               module_filter=selecting(self.model, self.fp8_modules))
             self.optimizer = make_opt(self.model.parameters())
             apply_policy(self.policy, self.model, self.optimizer)
         self.scaler = loop_scaler(self.policy, device)

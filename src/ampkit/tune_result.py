@@ -14,7 +14,7 @@ from torch import nn
 from .apply import plan
 from .fp8 import convert_to_fp8
 from .fp8.config import FP8_BASE_POLICY, fp8_policy_recipe
-from .fp8.convert import eligible_linears
+from .fp8.convert import eligible_linears, selecting
 from .keep import kept_names
 
 FP8_COMPUTE = FP8_BASE_POLICY  # what runs around the fp8 layers (and what they replace)
@@ -91,25 +91,24 @@ class TuneResult:
         if recipe is not None:
             kept = (application.keep_fp32[0] if application.keep_fp32 is not None
                     else kept_names(model))
-            chosen = _check_fp8_modules(model, self.fp8_modules, kept)
+            _check_fp8_modules(model, self.fp8_modules, kept)
             # Checks before its first swap; the plan above holds the same parameters after it.
-            convert_to_fp8(model, recipe=recipe, module_filter=lambda _, fqn: fqn in chosen)
+            convert_to_fp8(model, recipe=recipe, module_filter=selecting(model, self.fp8_modules))
         application.activate()
         return model, optimizer
 
 
-def _check_fp8_modules(model: nn.Module, names: Sequence[str], kept: Sequence[str]) -> set[str]:
-    """``names`` as a set, each an fp8-eligible Linear of ``model`` outside the ``kept``
-    (fp32) modules: a kept one would go on computing in fp8 behind fp32 outputs
-    (ValueError otherwise)."""
-    inside = lambda name, k: k == "" or name == k or name.startswith(k + ".")  # noqa: E731
-    valid = [name for name, _ in eligible_linears(model)
-             if not any(inside(name, k) for k in kept)]
+def _check_fp8_modules(model: nn.Module, names: Sequence[str], kept: Sequence[str]) -> None:
+    """Each of ``names`` an fp8-eligible Linear of ``model`` outside the ``kept`` (fp32)
+    modules, which would go on computing in fp8 behind fp32 outputs (ValueError otherwise).
+    Inside is by identity, as keep_fp32 and convert_to_fp8 decide it."""
+    holder = {id(sub): name for name in kept for sub in model.get_submodule(name).modules()}
+    valid = [name for name, layer in eligible_linears(model) if id(layer) not in holder]
     bad = [name for name in names if name not in valid]
     if bad:
-        why = next((f" ({name!r} is kept in fp32, in {k!r})" for name in bad for k in kept
-                    if inside(name, k)), "")
+        modules = dict(model.named_modules())
+        why = next((f" ({name!r} is kept in fp32, in {holder[id(modules[name])]!r})"
+                    for name in bad if name in modules and id(modules[name]) in holder), "")
         raise ValueError(f"fp8_modules {bad!r} name no fp8-eligible Linear of the model outside "
                          f"its kept fp32 modules{why}; valid: "
                          f"{', '.join(repr(name) for name in valid) or 'none (no eligible Linear)'}")
-    return set(names)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -90,6 +90,14 @@ def eligible_linears(model: nn.Module, module_filter: Optional[ModuleFilter] = N
             seen.add(id(linear))
             out.append((names[id(linear)], linear))
     return out
+
+
+def selecting(model: nn.Module, names: Iterable[str]) -> ModuleFilter:
+    """A ``module_filter`` that takes exactly the layers ``names`` name in ``model``, by
+    identity: a layer also reached under another name (registered under two parents) is
+    taken under every one of them, as convert_to_fp8 requires."""
+    chosen = {id(model.get_submodule(name)) for name in names}
+    return lambda module, _fqn: id(module) in chosen
 
 
 def _check_devices(config: Float8Config, linears: list[nn.Linear]) -> None:
