@@ -285,6 +285,17 @@ def test_shard_selects_modules_by_keep_fp32s_rule(one_rank):
     assert _fsdp_modules(picked) == ["", "head"]
 
 
+@pytest.mark.parametrize("policy", ["O3", "16-true"])
+def test_shard_refuses_keeping_one_side_of_a_tie_with_keeps_advice(one_rank, policy):
+    """A kept module is an fp32 group of its own, so the group check refused the tie first,
+    advising one group for both, which a kept module cannot take."""
+    model = ampkit.keep_fp32(_tied(), ["2"])
+    with pytest.raises(ValueError, match=r"^keep_fp32: '2' is kept in fp32, but its parameter "
+                                         r"'2.weight' is also '0.weight'.*keep both '2' and '0'"):
+        shard(model, policy)
+    assert all(p.dtype == F32 for p in model.parameters()) and not is_sharded(model)
+
+
 def test_a_modules_pattern_matching_only_an_empty_container_is_refused(one_rank):
     """An empty ModuleList stands for its (no) children: the pattern selected nothing,
     and the model was sharded as one root group without a word."""

@@ -348,10 +348,79 @@ def test_an_optimizer_that_works_before_its_closure_trains_as_without_ampkit(lev
     assert len(runs[1][0]) == 4 and not torch.equal(runs[1][0][0], runs[1][0][1])  # perturbed
 
 
+class _MySGD(torch.optim.SGD):
+    """A subclass that keeps torch's step."""
+
+
+def test_a_subclass_keeping_a_torch_step_skips_on_a_closure_overflow_as_torch_s_does():
+    """The check read the class's module: a subclass of SGD without a step of its own took
+    the zero-the-grads path, and momentum and weight decay still moved its weights."""
+    import ampkit
+    model, optimizer, x, y = _closure_setup(
+        "O2", lambda params: _MySGD(params, lr=0.1, momentum=0.9, weight_decay=0.1))
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
+    optimizer.step(closure)
+    params = [p.detach().clone() for p in model.parameters()]
+    blow_up[0] = True
+    optimizer.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+    assert ampkit.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+
+
+def test_an_optimizer_that_works_before_its_closure_gets_zeroed_grads_on_an_overflow():
+    """SAM perturbs the weights before it calls the closure, so its step cannot be
+    abandoned: the inf grads are zeroed before it reads them, and no weight goes NaN."""
+    import ampkit
+    model, optimizer, x, y = _closure_setup("O2", _Sam)
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
+    closure()
+    optimizer.step(closure)
+    closure()  # grads for SAM's perturbation
+    before = [p.detach().clone() for p in ampkit.master_params(optimizer)]
+    blow_up[0] = True
+    optimizer.step(closure)
+    after = list(ampkit.master_params(optimizer))
+    assert all(torch.isfinite(p).all() for p in after)
+    # eps added, then taken off (rounding apart), and a zero gradient stepped
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(after, before))
+
+
+def test_an_overflow_in_a_later_lbfgs_evaluation_ends_the_step_with_finite_weights():
+    """LBFGS evaluates the closure again after moving the weights: that evaluation's inf
+    grads are zeroed before it reads them (its step ends on a zero gradient)."""
+    import ampkit
+    model, optimizer, x, y = _closure_setup(
+        "O2", lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=5))
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
+    calls = [0]
+
+    def second_overflows():
+        calls[0] += 1
+        blow_up[0] = calls[0] == 2
+        return closure()
+    optimizer.step(second_overflows)
+    assert calls[0] == 2  # the zeroed gradient ended the step
+    assert all(torch.isfinite(p).all() for p in ampkit.master_params(optimizer))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_skip_found_in_a_closure_warns_at_the_first_scheduler_step():
+    """The closure's skip left the scheduler's wrapper thinking the optimizer stepped, so
+    the warning a skipped first step gives without a closure was lost."""
+    model, optimizer, x, y = _closure_setup("O1", lambda params: torch.optim.SGD(params, lr=0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    closure, blow_up = _overflowing_closure(model, optimizer, x, y)
+    blow_up[0] = True
+    optimizer.step(closure)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        scheduler.step()
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_overflow_inside_a_closure_reaches_no_weight(level):
     """The closure's scale_loss flagged the overflow for the next step() while the current
-    one (LBFGS, inside which the closure ran) stepped the inf/NaN gradients."""
+    one (LBFGS, inside which the closure ran) stepped the inf/NaN gradients; an overflow in
+    the first evaluation now makes that step the skip, and the next one steps."""
     import ampkit
     model, optimizer, x, y = _closure_setup(
         level, lambda params: torch.optim.LBFGS(params, lr=0.5, max_iter=5))

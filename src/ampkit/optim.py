@@ -22,6 +22,7 @@ step such a copy, rather than letting it train nothing.
 
 from __future__ import annotations
 
+import inspect
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -241,7 +242,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             result = stash.inner_step(*args, **kwargs)
     except _SkippedInClosure as skipped:
         # The closure's first evaluation overflowed, before the optimizer changed anything.
-        self.zero_grad(set_to_none=True)
+        _skipped(self)
         return skipped.loss
     if masters is not None:
         masters.copy_to_model()
@@ -262,13 +263,18 @@ def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
     if not stash.skip_next:
         return False
     stash.skip_next = False
+    _skipped(optimizer)
+    return True
+
+
+def _skipped(optimizer: torch.optim.Optimizer) -> None:
+    """What a skipped step leaves: the inf/NaN grads dropped, and no step as far as an LR
+    scheduler's wrapper (which ran first) is concerned: a skipped first step warns
+    "lr_scheduler.step() before optimizer.step()", as it did under apex (it swapped in a
+    step the wrapper never saw) and torch's GradScaler."""
     optimizer.zero_grad(set_to_none=True)
     if getattr(optimizer, LR_SCHEDULER_STEP_CALLED, None) is True:
-        # Not stepped, as far as an LR scheduler's wrapper (which ran first) is concerned:
-        # a skipped first step warns "lr_scheduler.step() before optimizer.step()", as it
-        # did under apex (it swapped in a step the wrapper never saw) and torch's GradScaler.
         setattr(optimizer, LR_SCHEDULER_STEP_CALLED, False)
-    return True
 
 
 def _closure_in(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
@@ -286,10 +292,13 @@ class _SkippedInClosure(Exception):
 
 
 def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's own optimizers call the closure before they read or change anything
-    (LBFGS: after two setdefaults of its counters); another one may not (SAM perturbs
-    the weights first), so its step cannot be abandoned half-way."""
-    return type(optimizer).__module__.startswith("torch.optim.")
+    """Whether the optimizer's step is one of torch's own (a subclass that keeps it too):
+    those call the closure before they read or change anything (LBFGS: after two
+    setdefaults of its counters); another step may not (SAM perturbs the weights first),
+    so it cannot be abandoned half-way. torch wraps ``step`` (profiling, hooks) and keeps
+    the function it wrapped in ``__wrapped__``."""
+    step = inspect.unwrap(type(optimizer).step)
+    return getattr(step, "__module__", "").startswith("torch.optim.")
 
 
 def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash,

@@ -115,10 +115,12 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
     kept = _fp32_units(model, pol)
     api = fsdp2()
     half_mp, fp32_mp, root_mp = _unit_policies(pol)
+    if pol.param_dtype in HALF_DTYPES and not pol.master_weights:  # cast below
+        # First: a kept module is an fp32 group of its own, so the group check below would
+        # refuse the same tie with advice (one group for both) a kept module cannot take.
+        keep.check_shared(model, keep.kept_names(model), pol.param_dtype)
     units = _ordered_units(blocks, kept)
     _check_shared(model, [name for name, _ in units])
-    if pol.param_dtype in HALF_DTYPES and not pol.master_weights:  # cast below
-        keep.check_shared(model, keep.kept_names(model), pol.param_dtype)
     # Nothing was modified above this line.
     if pol.param_dtype in HALF_DTYPES and not pol.master_weights:
         # Pure-half policies (O3, "16-true"): the sharded parameters, which the optimizer
