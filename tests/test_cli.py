@@ -293,6 +293,18 @@ def test_a_closed_stdout_ends_the_command_quietly_with_sigpipes_status(argv):
     assert err == ""
 
 
+def test_a_broken_pipe_with_captured_stdout_is_an_ordinary_failure(capsys, monkeypatch):
+    """With no file descriptor behind stdout (a notebook, captured output), any broken pipe
+    was taken for a closed stdout, and the redirect then let io.UnsupportedOperation out."""
+    from ampkit.cli import info
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(info, "run", broken)
+    assert main(["info"]) == 1  # capsys: sys.stdout has no fileno
+    assert capsys.readouterr().err.startswith("ampkit info: failed: BrokenPipeError")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_names_the_valid_devices(capsys):
     line = usage_error(capsys, "bench", "--device", "cuda")

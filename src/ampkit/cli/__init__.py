@@ -88,8 +88,10 @@ def _stdout_closed() -> bool:
     worker's, that broke): poll reports an error on its write end then."""
     try:
         fd = sys.stdout.fileno()
-        poller = select.poll()
-    except (AttributeError, OSError, ValueError):  # no file descriptor, or no poll (Windows)
+    except (AttributeError, OSError, ValueError):  # captured output: no pipe of ours closed
+        return False
+    if not hasattr(select, "poll"):  # Windows: a broken pipe there is taken to be stdout
         return True
+    poller = select.poll()
     poller.register(fd, select.POLLOUT)
     return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
