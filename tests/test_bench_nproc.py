@@ -150,6 +150,9 @@ def _torchrun_report(root: tuple[int, int], others: list[tuple[int, int]]) -> st
     # a rank aborted after another's error (NCCL's watchdog): the error is the cause
     ((0, 1), [(1, -6)], "rank 0 failed: RuntimeError: Connection reset by peer"),
     ((1, 3), [(0, 1)], "rank 1 died: exit status 3"),
+    # a tie in torchrun's whole-second timestamps: rank 0 aborted as rank 1 raised its own
+    # error, and torchrun named rank 0; the error, which is no consequence, is the cause
+    ((0, -6), [(1, 1)], "rank 1 failed: ValueError: boom"),
     ((1, 1), [(0, -15)], "rank 0 failed: RuntimeError: Connection reset by peer"),
 ])
 def test_a_rank_dying_mid_training_is_named_not_the_rank_its_death_broke(tmp_path, root,
@@ -157,7 +160,10 @@ def test_a_rank_dying_mid_training_is_named_not_the_rank_its_death_broke(tmp_pat
     """A rank killed once collectives had begun was reported as the surviving rank's
     'Connection reset by peer': any error file won over torchrun's report of a death."""
     from ampkit.bench import launch
-    launch.write_rank_error(str(tmp_path), 0, RuntimeError("Connection reset by peer"))
+    if root == (0, -6):  # rank 1's own error, no consequence of another rank's death
+        launch.write_rank_error(str(tmp_path), 1, ValueError("boom"))
+    else:
+        launch.write_rank_error(str(tmp_path), 0, RuntimeError("Connection reset by peer"))
     if root == (1, 1):  # rank 1 raised too (it wrote its file), only later
         launch.write_rank_error(str(tmp_path), 1, ValueError("later"))
     message, usage = launch._failure(str(tmp_path), _torchrun_report(root, others), 1)

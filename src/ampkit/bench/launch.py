@@ -26,6 +26,9 @@ from .errors import UsageError
 __all__ = ["RankError", "launch_ranks", "rank_main", "usable_cores", "write_rank_error"]
 
 _ERROR = "error-rank{}.json"
+# What a rank's collective raises when another rank has gone (gloo, NCCL): a consequence.
+_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|"
+                        r"NCCL communicator was aborted|Socket Timeout", re.IGNORECASE)
 
 
 class RankError(RuntimeError):
@@ -123,12 +126,15 @@ def _failure(folder: str, log: str, status: int) -> tuple[str, bool]:
                 errors.append(json.load(src))
     # A rank that died without Python's help (a signal, os._exit, the OOM killer) leaves no
     # file, while the ranks it left behind fail in their next collective ("Connection reset
-    # by peer") and do leave one. Where torchrun saw that death first (its Root Cause), it
-    # is the cause; a death after another rank's error (a watchdog's abort, torchrun's own
-    # SIGTERM to the ranks still running) is not.
+    # by peer") and do leave one. Where torchrun saw that death first (its Root Cause) and
+    # every error file is such a consequence, it is the cause; a death after another rank's
+    # own error (a watchdog's abort: torchrun's timestamps are whole seconds, so a tie goes
+    # to whichever rank it checked first) or torchrun's SIGTERM to the ranks left is not.
     failures = _torchrun_failures(log)
     written = {int(error["rank"]) for error in errors}
-    if failures and failures[0][0] not in written and failures[0][1] != -signal.SIGTERM:
+    consequences = all(_PEER_GONE.search(error["error"]) for error in errors)
+    if (failures and failures[0][0] not in written and failures[0][1] != -signal.SIGTERM
+            and consequences):
         rank, code = failures[0]
         return f"rank {rank} died: {_exit_reason(code)}", False
     if errors:
