@@ -405,3 +405,31 @@ def test_memory_that_is_not_comparable_gives_no_ratio_and_says_why():
     assert doc["recommended"] == "16-true"
     assert "its peak memory" not in doc["recommendation"]["sentence"]
     assert verdict.bench_rows(doc["results"])[1][4] == "-"
+
+
+def test_an_interrupted_parent_reads_a_workers_owed_answer_and_waits_for_it_boundedly(
+        monkeypatch, tmp_path):
+    """The answer owed for a command is recorded before the command is written, so an
+    interrupt right after the write still reads it; and a wait for one that never comes
+    (an interrupt between the write and the bookkeeping) ends, failing that worker."""
+    import os
+    import tempfile
+    from ampkit.bench import worker
+
+    def make():
+        commands, answers = os.pipe(), os.pipe()
+        log, fallback = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        handle = worker.Worker("bf16-mixed", commands[1], answers[0], log, fallback)
+        return handle, os.fdopen(answers[1], "w"), os.fdopen(commands[0], "r")
+    handle, answers, commands = make()
+    handle._send("run 2")
+    assert commands.readline() == "run 2\n"
+    answers.write("times [1.0, 2.0]\n")
+    answers.flush()
+    handle.settle()  # the owed times, read and set aside
+    handle.settle()  # nothing owed any more: returns at once
+    monkeypatch.setattr(worker, "_SETTLE_S", 0.05)
+    silent, _, _ = make()
+    silent._send("run 2")
+    with pytest.raises(RuntimeError, match=r"policy 'bf16-mixed' failed in its own process"):
+        silent.settle()
