@@ -262,10 +262,11 @@ def test_an_fp8_report_says_when_most_matmuls_did_not_run_in_fp8():
     report = inspect(model, torch.randn(8, 32), policy="fp8-tensorwise")
     share = sum(n for d, n in report.flops.items() if d.startswith("float8")) / sum(report.flops.values())
     assert 0 < share < 0.5
-    assert report.advice == [f"Only {share:.0%} of the matmul FLOPs ran in fp8 under fp8-tensorwise; "
-                             "the rest ran in bf16, in modules convert_to_fp8 does not take (it "
-                             "takes exactly nn.Linear with in and out features multiples of 16; "
-                             "not, e.g., transformers' Conv1D) or in attention and convolutions."]
+    assert report.advice == [f"Only {share:.0%} of the matmul and convolution FLOPs ran in fp8 "
+                             "under fp8-tensorwise; the rest ran in bf16 or fp32, in modules "
+                             "convert_to_fp8 does not take (it takes exactly nn.Linear with in "
+                             "and out features multiples of 16; not, e.g., transformers' "
+                             "Conv1D), in modules kept in fp32, or in attention and convolutions."]
 
 
 def test_rowwise_fp8_counts_every_gemm_in_e4m3():

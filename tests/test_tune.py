@@ -147,6 +147,19 @@ def test_autotune_and_inspect_call_the_model_with_a_batch_by_one_rule():
     assert ampkit.autotune(_OneList(), [x, z], y, steps=3, candidates=["32-true"]).policy == "32-true"
 
 
+def test_a_list_batch_for_a_model_of_two_arguments_says_to_pass_a_tuple():
+    """A list was unpacked by autotune until the rule became one argument: such a call then
+    failed with torch's bare 'missing 1 required positional argument'."""
+    from ampkit.diagnose import inspect
+    x, z, y = torch.randn(8, 16), torch.randn(8, 8), torch.randint(0, 4, (8,))
+    hint = r"missing 1 required positional argument.*\(the batch is a list, which the model " \
+           r"gets as one argument; valid: a tuple for positional arguments"
+    with pytest.raises(TypeError, match=hint):
+        ampkit.autotune(_TwoInputs(), [x, z], y, steps=3, candidates=["32-true"])
+    with pytest.raises(TypeError, match=hint):
+        inspect(_TwoInputs(), [x, z], y)
+
+
 class _OneList(_TwoInputs):
     def forward(self, xs: list) -> torch.Tensor:  # type: ignore[override]
         return super().forward(*xs)

@@ -25,4 +25,10 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
         return model(*inputs)
     if isinstance(inputs, dict):
         return model(**inputs)
-    return model(inputs)
+    if not isinstance(inputs, list):
+        return model(inputs)
+    try:
+        return model(inputs)
+    except TypeError as err:  # e.g. "forward() missing 1 required positional argument"
+        raise TypeError(f"{err} (the batch is a list, which the model gets as one argument; "
+                        "valid: a tuple for positional arguments, a dict for keywords)") from err

@@ -30,10 +30,9 @@ from typing import Optional
 import torch
 
 from ..fp8.config import FP8_BASE_POLICY
-
-FP8_SHARE_NOTED = 0.5  # below this share of the FLOPs in fp8, an fp8 report says so
 from .report import ModuleStats, dtype_name
 
+FP8_SHARE_NOTED = 0.5  # below this share of the FLOPs in fp8, an fp8 report says so
 UNDERFLOW = 0.01  # a module is flagged when 1% of its nonzero values flush to zero
 LOW_SQNR_DB = 20.0  # error energy above 1% of the signal's (RMS error above 10%)
 PER_RULE = 3
@@ -75,10 +74,11 @@ def advise(modules: list[ModuleStats], ctx: Context) -> list[str]:
                          f"in bf16, as under {FP8_BASE_POLICY!r}: use that policy, or make the "
                          "layers' features multiples of 16 for fp8.")
     if ctx.fp8 and ctx.fp8_layers and ctx.fp8_share < FP8_SHARE_NOTED:
-        sentences.append(f"Only {ctx.fp8_share:.0%} of the matmul FLOPs ran in fp8 under "
-                         f"{ctx.policy}; the rest ran in bf16, in modules convert_to_fp8 does not "
-                         "take (it takes exactly nn.Linear with in and out features multiples of "
-                         "16; not, e.g., transformers' Conv1D) or in attention and convolutions.")
+        sentences.append(f"Only {ctx.fp8_share:.0%} of the matmul and convolution FLOPs ran "
+                         f"in fp8 under {ctx.policy}; the rest ran in bf16 or fp32, in modules "
+                         "convert_to_fp8 does not take (it takes exactly nn.Linear with in and "
+                         "out features multiples of 16; not, e.g., transformers' Conv1D), in "
+                         "modules kept in fp32, or in attention and convolutions.")
     return sentences or [f"No module overflows, underflows or falls below {LOW_SQNR_DB:g} dB "
                          f"SQNR under {ctx.policy}: keep the policy {ctx.policy!r}."]
 
