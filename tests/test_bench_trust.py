@@ -16,7 +16,8 @@ import torch
 from ampkit._dtypes import device_policies
 from ampkit import _measure as measure
 from ampkit.bench import recommend, verdict
-from ampkit.bench.runner import BenchSettings, compare, play_rounds, stable
+from ampkit.bench.compare import compare
+from ampkit.bench.runner import BenchSettings, play_rounds, stable
 from ampkit.cli import main
 
 TINY = ["--model", "mlp", "--batch-size", "8", "--warmup", "1", "--quiet"]

@@ -19,7 +19,8 @@ from __future__ import annotations
 from .errors import UsageError
 from .policies import PolicySpec, parse_policy, parse_policy_list
 from .precision import Precision, train_step
-from .runner import BenchSettings, recommend, run_bench, run_policy
+from .compare import recommend
+from .runner import BenchSettings, run_bench, run_policy
 from .train import TrainSettings, train
 from .workloads import Workload, get_workload
 

@@ -46,7 +46,8 @@ from .errors import UsageError
 from .launch import launch_ranks, rank_main, usable_cores
 from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
-from .runner import BenchSettings, PolicyRun, Setup, compare, max_loss_deviation, play_rounds
+from .compare import compare, max_loss_deviation
+from .runner import BenchSettings, PolicyRun, Setup, play_rounds
 
 __all__ = ["Parallel", "ParallelPlan", "check_plan", "rank_settings", "run_parallel_bench",
            "scaling_rows", "scaling_sentence", "SCALING_HEADERS", "SHARED_RSS"]

@@ -5,7 +5,7 @@ The table fits 80 columns. The sentences say each speedup with its 95% interval 
 more than the tolerance and optimizer settings that differ between rows, say whether the
 timings can be trusted (stable intervals, threads, machine load), and end with the
 recommendation: autotune's rule (``tune.choose``) applied to the rows, through
-``runner.recommend``.
+``compare.recommend``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import IO, Any, Optional, Sequence
 from .._measure import STABLE_HALF_WIDTH, half_width
 from .report import console as rich_console, have_rich, render_table
 from ..tune import REF_NOT_FINITE
-from .runner import recommend
+from .compare import recommend
 
 BENCH_HEADERS = ("policy", "ms/step", "speedup (95% CI)", "MiB", "mem ×", "Δloss", "notes")
 BENCH_LEFT = (0, 6)  # policy and notes
