@@ -384,6 +384,21 @@ def _lr_scheduler_mark() -> None:
            "the scheduler's wrapper of optimizer.step no longer sets this attribute to True")
 
 
+def _optimizer_step_function() -> None:
+    class Kept(torch.optim.SGD):
+        pass
+
+    class Own(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+    params = [nn.Parameter(torch.ones(1))]
+    kept, own = Kept(params, lr=0.1), Own(params, lr=0.1)
+    _check("optimizer_step_function",
+           tc.optimizer_step_function(kept).__module__ == "torch.optim.sgd"
+           and tc.optimizer_step_function(own).__module__ == __name__,
+           "torch's wrapper around Optimizer.step no longer leads to the function it wraps")
+
+
 def _step_pre_hook() -> None:
     seen = []
     param = nn.Parameter(torch.ones(1))
@@ -583,6 +598,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "OptState": _opt_state,
     "STEP_SUPPORTS_AMP_SCALING": _step_supports, "LR_SCHEDULER_MARK": _lr_scheduler_mark,
     "LR_SCHEDULER_STEP_CALLED": _lr_scheduler_mark,
+    "optimizer_step_function": _optimizer_step_function,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import importlib
 import re
 import types
@@ -56,7 +57,7 @@ __all__ = [
     "amp_update_scale_", "foreach_copy_", "foreach_add_", "foreach_mul_", "unflatten_dense_tensors",
     "sparse_values", "OptState",
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
-    "LR_SCHEDULER_MARK", "LR_SCHEDULER_STEP_CALLED", "ddp_ignore",
+    "LR_SCHEDULER_MARK", "LR_SCHEDULER_STEP_CALLED", "optimizer_step_function", "ddp_ignore",
     # nn.Module internals
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
     "register_load_state_dict_post_hook", "swaps_params_on_load", "local_parameters",
@@ -348,6 +349,14 @@ LR_SCHEDULER_MARK = "_wrapped_by_lr_sched"
 # The scheduler's wrapper sets this optimizer attribute to True when step() is called; its
 # first step() warns "lr_scheduler.step() before optimizer.step()" while it is not (2.2 on).
 LR_SCHEDULER_STEP_CALLED = "_opt_called"
+
+
+def optimizer_step_function(optimizer: Any) -> Any:
+    """The ``step`` an optimizer's class defines (or inherits), under the wrapper torch's
+    ``Optimizer`` puts around it (profiling, step hooks; it keeps the wrapped function in
+    ``__wrapped__``, functools.wraps, 2.0 on)."""
+    return inspect.unwrap(type(optimizer).step)
+
 # A device-generic event: a fused step's overflow flag is read once it reached the host; 2.4.
 Event = _entry("torch.Event")
 

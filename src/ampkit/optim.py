@@ -22,7 +22,6 @@ step such a copy, rather than letting it train nothing.
 
 from __future__ import annotations
 
-import inspect
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from torch import Tensor
 
 from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
-                            register_optimizer_step_pre_hook)
+                            optimizer_step_function, register_optimizer_step_pre_hook)
 from ._warn import warn_once
 from .master import MASTER_MARK, MasterWeights
 
@@ -295,10 +294,8 @@ def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step is one of torch's own (a subclass that keeps it too):
     those call the closure before they read or change anything (LBFGS: after two
     setdefaults of its counters); another step may not (SAM perturbs the weights first),
-    so it cannot be abandoned half-way. torch wraps ``step`` (profiling, hooks) and keeps
-    the function it wrapped in ``__wrapped__``."""
-    step = inspect.unwrap(type(optimizer).step)
-    return getattr(step, "__module__", "").startswith("torch.optim.")
+    so it cannot be abandoned half-way."""
+    return getattr(optimizer_step_function(optimizer), "__module__", "").startswith("torch.optim.")
 
 
 def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash,
