@@ -222,3 +222,50 @@ def test_bad_values_exit_2_before_launching(capsys, monkeypatch, argv, words):
     line = _usage_error(capsys, *argv)
     for word in words:
         assert word in line, (word, line)
+
+
+_ABORTING_RANK = """\
+    import os
+    import sys
+
+    from ampkit.bench.launch import rank_main
+
+    def run(job, rank):
+        if job["abort"] == "during" and rank == 1:
+            os.abort()
+        return {"rank": rank}
+
+    if __name__ == "__main__":
+        status = rank_main(sys.argv[1], run, "result.json")
+        if int(os.environ["RANK"]) == 1:
+            os.abort()  # "terminate called without an active exception" at exit
+        sys.exit(status)
+"""
+
+
+@pytest.mark.slow  # two launches of two ranks
+@needs_two_cores
+def test_a_rank_crashing_at_exit_after_its_work_is_no_failure_but_before_it_is(
+        tmp_path, monkeypatch, caplog):
+    """A rank aborted while its process exited (a C++ thread torn down with the
+    interpreter), after every rank had finished and rank 0 had written the result, failed
+    the whole bench about one full suite in three: the work it measured was complete."""
+    import logging
+    from ampkit.bench import launch
+    (tmp_path / "aborting_rank.py").write_text(textwrap.dedent(_ABORTING_RANK))
+    monkeypatch.chdir(tmp_path)  # the ranks import the module from the current folder
+    for when in ("at_exit", "during"):
+        folder = tmp_path / when
+        folder.mkdir()
+        job = folder / "job.json"
+        job.write_text(json.dumps({"folder": str(folder), "abort": when}))
+        args = ("aborting_rank", str(job), 2, 1, str(folder), str(folder / "result.json"))
+        if when == "at_exit":
+            with caplog.at_level(logging.WARNING, logger="ampkit"):
+                launch.launch_ranks(*args)
+            assert json.loads((folder / "result.json").read_text()) == {"rank": 0}
+            assert "every rank finished and wrote its part; then, at exit, rank 1 died: " \
+                   "killed by SIGABRT (ignored)" in caplog.text
+        else:
+            with pytest.raises(launch.RankError, match=r"^rank 1 died: killed by SIGABRT$"):
+                launch.launch_ranks(*args)

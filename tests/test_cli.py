@@ -301,6 +301,7 @@ def test_a_broken_pipe_with_captured_stdout_is_an_ordinary_failure(capsys, monke
     def broken(args):
         raise BrokenPipeError(32, "Broken pipe")
     monkeypatch.setattr(info, "run", broken)
+    monkeypatch.delenv("AMPKIT_DEBUG", raising=False)  # which would re-raise it
     assert main(["info"]) == 1  # capsys: sys.stdout has no fileno
     assert capsys.readouterr().err.startswith("ampkit info: failed: BrokenPipeError")
 

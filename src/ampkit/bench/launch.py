@@ -13,6 +13,7 @@ its file, or from torchrun's report when the rank died without Python's help.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -25,7 +26,10 @@ from .errors import UsageError
 
 __all__ = ["RankError", "launch_ranks", "rank_main", "usable_cores", "write_rank_error"]
 
+logger = logging.getLogger("ampkit")
+
 _ERROR = "error-rank{}.json"
+_DONE = "done-rank{}"  # a rank's work is over (its part written, its group destroyed)
 # What a rank's collective raises when another rank has gone (gloo, NCCL): a consequence.
 _PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|remote process exited|"
                         r"NCCL communicator was aborted|Socket Timeout", re.IGNORECASE)
@@ -56,6 +60,16 @@ def launch_ranks(module: str, job: str, nproc: int, threads: int, folder: str, r
         RankError: torchrun failed or ``result`` is missing; names the rank that failed first.
     """
     status, log = _launch(module, job, nproc, threads, folder, poll)
+    finished = os.path.exists(result) and all(
+        os.path.exists(os.path.join(folder, _DONE.format(rank))) for rank in range(nproc))
+    if status != 0 and finished:
+        # Every rank finished its work and rank 0 wrote the result; a crash while a
+        # process exits (a C++ thread torn down with the interpreter: "terminate called
+        # without an active exception") changes nothing that was measured or saved.
+        message, _ = _failure(folder, log, status)
+        logger.warning("ampkit: every rank finished and wrote its part; then, at exit, %s "
+                       "(ignored)", message)
+        return
     if status != 0 or not os.path.exists(result):
         if os.environ.get("AMPKIT_DEBUG"):
             sys.stderr.write(log)
@@ -193,6 +207,8 @@ def rank_main(job_path: str, run: Callable[[dict[str, Any], int], Any], result_n
         with open(tmp, "w") as out:
             json.dump(result, out)
         os.replace(tmp, os.path.join(job["folder"], result_name))
+    with open(os.path.join(job["folder"], _DONE.format(rank)), "w"):
+        pass  # finished: what follows is the process's exit alone
     return 0
 
 
