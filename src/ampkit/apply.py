@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from . import _state
 from ._checks import as_list, check_bool, check_int, check_positive
+from ._select import as_selectors
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
 from .autocast import region_factory
@@ -115,7 +116,7 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
 
 def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[str]]:
     """Each model's selection; a name or pattern must match in one model at least."""
-    for selector in keep.as_selectors(modules):
+    for selector in as_selectors(modules):
         if isinstance(selector, str) and not any(
                 keep.select(model, selector, strict=False) for model in models):
             keep.select(models[0], selector)  # raises, naming the pattern and real names

@@ -26,10 +26,9 @@ and every dynamo traces torch's own class in a with statement.
 
 from __future__ import annotations
 
-import fnmatch
 import threading
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -39,11 +38,10 @@ from torch.amp.autocast_mode import autocast as _TorchAutocast
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
+from ._select import Modules, Selector, as_selectors, matching
 from ._torch_compat import is_compiling
 from .convert import BoundForward, conversion_of
 
-Selector = Union[str, type, Callable[[str, nn.Module], bool]]
-Modules = Union[Selector, Sequence[Selector]]
 _ATTR = "_ampkit_keep_fp32"
 
 
@@ -194,38 +192,6 @@ def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[s
                              f"model.named_modules(), e.g. {examples}")
         chosen.update(hits)
     return [name for name, _ in model.named_modules() if name in chosen]
-
-
-def matching(model: nn.Module, selector: Selector) -> list[str]:
-    """The modules of ``model`` one (checked) selector matches, in model order, each under
-    the one name ``named_modules()`` gives it (the root is ""). Every name of a module
-    counts: one used twice (``self.dec = self.enc``) matches by either. ``keep_fp32`` and
-    ``distributed.shard`` select modules by this one rule."""
-    canonical = {id(module): name for name, module in model.named_modules()}
-    hits = {canonical[id(module)] for name, module in model.named_modules(remove_duplicate=False)
-            if _matches(selector, name, module)}
-    return [name for name in canonical.values() if name in hits]
-
-
-def as_selectors(modules: Modules, what: str = "keep_fp32: ") -> list[Selector]:
-    """``modules`` as a list of selectors, each checked (TypeError names a bad one, after
-    ``what``: the caller and argument)."""
-    items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
-    for item in items:
-        ok = isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
-        if not ok and not (callable(item) and not isinstance(item, (type, nn.Module))):
-            raise TypeError(f"{what}{item!r} is not a module selector; valid: a module "
-                            "name or fnmatch pattern (str), an nn.Module subclass, or a "
-                            "callable (name, module) -> bool")
-    return items
-
-
-def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
-    if isinstance(selector, str):
-        return name == selector or fnmatch.fnmatchcase(name, selector)
-    if isinstance(selector, type):
-        return isinstance(module, selector)
-    return bool(selector(name, module))
 
 
 def _describe(selector: Selector) -> str:

@@ -76,6 +76,12 @@ def low_precision_share(flops: dict[str, int]) -> float:
     return low / total if total else 0.0
 
 
+def fp8_share(flops: dict[str, int]) -> float:
+    """The fraction of ``flops`` that ran in an fp8 dtype (0.0 when none)."""
+    total = sum(flops.values())
+    return sum(n for name, n in flops.items() if name.startswith("float8")) / total if total else 0.0
+
+
 def _bits(name: str) -> int:
     dtype = getattr(torch, name, None)
     return dtype.itemsize * 8 if isinstance(dtype, torch.dtype) else 32

@@ -45,7 +45,7 @@ from ..keep import kept_modules, kept_names
 from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
 from .advice import Context, advise
-from .flops import FlopCounter
+from .flops import FlopCounter, fp8_share
 from ._regions import autocast_off
 from .._rng import replayable_rng
 from .nonfinite import watch
@@ -282,15 +282,9 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                   ref_finite=math.isfinite(losses[0]),
                   kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
                   fp8=setup.fp8_recipe is not None, grad_amax=grad_amax,
-                  fp8_share=_fp8_share(counter.flops))
+                  fp8_share=fp8_share(counter.flops))
     return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
-
-
-def _fp8_share(flops: dict[str, int]) -> float:
-    """The share of the matmul and convolution FLOPs that ran in an fp8 dtype."""
-    total = sum(flops.values())
-    return sum(n for dtype, n in flops.items() if dtype.startswith("float8")) / total if total else 0.0
 
 
 def _apply(work: nn.Module, setup: _Setup) -> frozenset[str]:

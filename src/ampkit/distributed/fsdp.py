@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import keep
+from .._select import Modules, Selector, as_selectors, matching
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
 from .._torch_compat import fsdp2
 from ..apply import is_sharded
@@ -34,7 +35,6 @@ if TYPE_CHECKING:  # importing FSDP2 costs about a second: only where it is used
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-Modules = keep.Modules
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own for FSDP2 to hook
 
 
@@ -177,8 +177,8 @@ def _select_blocks(model: nn.Module, modules: Optional[Modules]) -> list[str]:
     if modules is None:
         return _default_blocks(model, named)
     names: list[str] = []
-    for selector in keep.as_selectors(modules, what="shard: modules item "):
-        hits = [name for name in keep.matching(model, selector) if name]
+    for selector in as_selectors(modules, what="shard: modules item "):
+        hits = [name for name in matching(model, selector) if name]
         if not hits:
             raise ValueError(f"shard: modules={_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or fnmatch patterns over "
@@ -289,7 +289,7 @@ def _unit_policies(pol: Policy) -> tuple[Any, Any, Any]:
     return blocks, fp32, root
 
 
-def _describe(selector: keep.Selector) -> str:
+def _describe(selector: Selector) -> str:
     if isinstance(selector, str):
         return repr(selector)
     return getattr(selector, "__name__", repr(selector))

@@ -1,0 +1,48 @@
+"""Selecting a model's modules by name, fnmatch pattern, class or callable: the one rule
+``keep_fp32`` and ``distributed.shard`` both follow (a module reached under two names,
+``self.dec = self.enc``, matches by either and is named as ``named_modules()`` names it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Sequence, Union
+
+from torch import nn
+
+Selector = Union[str, type, Callable[[str, nn.Module], bool]]
+Modules = Union[Selector, Sequence[Selector]]
+
+__all__ = ["Modules", "Selector", "as_selectors", "matching"]
+
+
+def matching(model: nn.Module, selector: Selector) -> list[str]:
+    """The modules of ``model`` one (checked) selector matches, in model order, each under
+    the one name ``named_modules()`` gives it (the root is ""). Every name of a module
+    counts: one used twice (``self.dec = self.enc``) matches by either. ``keep_fp32`` and
+    ``distributed.shard`` select modules by this one rule."""
+    canonical = {id(module): name for name, module in model.named_modules()}
+    hits = {canonical[id(module)] for name, module in model.named_modules(remove_duplicate=False)
+            if _matches(selector, name, module)}
+    return [name for name in canonical.values() if name in hits]
+
+
+def as_selectors(modules: Modules, what: str = "keep_fp32: ") -> list[Selector]:
+    """``modules`` as a list of selectors, each checked (TypeError names a bad one, after
+    ``what``: the caller and argument)."""
+    items = list(modules) if isinstance(modules, (list, tuple, set, frozenset)) else [modules]
+    for item in items:
+        ok = isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))
+        if not ok and not (callable(item) and not isinstance(item, (type, nn.Module))):
+            raise TypeError(f"{what}{item!r} is not a module selector; valid: a module "
+                            "name or fnmatch pattern (str), an nn.Module subclass, or a "
+                            "callable (name, module) -> bool")
+    return items
+
+
+def _matches(selector: Selector, name: str, module: nn.Module) -> bool:
+    if isinstance(selector, str):
+        return name == selector or fnmatch.fnmatchcase(name, selector)
+    if isinstance(selector, type):
+        return isinstance(module, selector)
+    return bool(selector(name, module))
