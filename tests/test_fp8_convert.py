@@ -437,3 +437,51 @@ def test_a_layer_in_two_slots_is_counted_once_in_the_log(caplog):
         convert_to_fp8(model, recipe=EMU["tensorwise"])
     assert model[0] is model[2]
     assert caplog.messages[-1] == "convert_to_fp8: 2 linear layer(s) now tensorwise fp8, 0 kept"
+
+
+class _GPT2StyleConv1D(nn.Module):
+    """transformers' Conv1D: a matmul layer that is not an nn.Linear."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+
+
+def test_a_model_without_linear_layers_warns_that_nothing_runs_in_fp8():
+    """It only logged "0 linear layer(s) now tensorwise fp8, 0 kept" at INFO: a GPT-2
+    (Conv1D) user trained in full precision believing fp8 was on."""
+    model = nn.Sequential(_GPT2StyleConv1D(32, 32), nn.ReLU(), _GPT2StyleConv1D(32, 32))
+    with pytest.warns(UserWarning) as record:
+        convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert [str(w.message) for w in record] == [
+        "convert_to_fp8: Sequential has no nn.Linear layer, so nothing in it runs in fp8; only "
+        "nn.Linear layers are swapped (transformers' Conv1D, for one, is not an nn.Linear)"]
+
+
+def test_a_model_whose_every_linear_is_kept_warns_with_the_first_reason():
+    model = nn.Sequential(nn.Linear(30, 32), nn.Linear(32, 10))
+    with pytest.warns(UserWarning) as record:
+        convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert [str(w.message) for w in record] == [
+        "convert_to_fp8: none of the 2 nn.Linear layer(s) of Sequential could be swapped, so "
+        "nothing in it runs in fp8; '0' was kept: in_features=30 and out_features=32 must both "
+        "be multiples of 16 for fp8 GEMMs"]
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
+def test_a_filter_that_refuses_every_layer_is_the_users_choice_and_does_not_warn(recwarn):
+    model = make_model()
+    convert_to_fp8(model, recipe=EMU["tensorwise"], module_filter=lambda m, fqn: False)
+    assert not [w for w in recwarn if "convert_to_fp8" in str(w.message)]
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def test_converting_a_converted_model_again_does_not_warn(recwarn):
+    model = make_model()
+    convert_to_fp8(model, recipe=EMU["tensorwise"])
+    convert_to_fp8(model, recipe=EMU["tensorwise"])
+    assert not [w for w in recwarn if "convert_to_fp8" in str(w.message)]

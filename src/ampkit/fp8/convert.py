@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._torch_compat import ddp_ignore, local_modules, move_hooks
+from .._warn import warn_once
 from ..keep import kept_modules
 from .config import Float8Config, Recipe
 from .linear import Float8Linear, check_fp8_backend, check_fp8_dims
@@ -114,7 +115,8 @@ def convert_to_fp8(model: nn.Module, *,
 
     Eligible: exactly nn.Linear (not a subclass), in/out features multiples of 16, and
     accepted by ``module_filter``. Skipped layers stay as they are and are reported on
-    the ``ampkit.fp8`` logger (INFO), one line each with the reason. The new layers share
+    the ``ampkit.fp8`` logger (INFO), one line each with the reason; a call without
+    ``module_filter`` that swaps no layer at all warns (UserWarning). The new layers share
     the old Parameters, so state_dict keys and dtypes, optimizers and tied weights are
     unchanged, and they take over the old layers' hooks (the user's, and the fp32
     state-dict hooks of an earlier O2/O3 ``initialize``). Everything is checked before
@@ -166,7 +168,25 @@ def convert_to_fp8(model: nn.Module, *,
         logger.info("convert_to_fp8: kept %s as nn.Linear: %s", fqn, reason)
     logger.info("convert_to_fp8: %d linear layer(s) now %s fp8, %d kept",
                 len(converted), config.short, len(skips))  # a layer in two slots counts once
+    if (not converted and module_filter is None
+            and not any(isinstance(m, Float8Linear) for m in model.modules())):
+        _warn_nothing_converted(model, skips)
     return _histories_per_rank(model)
+
+
+def _warn_nothing_converted(model: nn.Module, skips: list[tuple[str, str]]) -> None:
+    """A call that left every layer as it was is said out loud, not only at INFO: the user
+    asked for fp8 and would otherwise train in full precision unawares."""
+    name = type(model).__name__
+    if not skips:
+        message = (f"convert_to_fp8: {name} has no nn.Linear layer, so nothing in it runs in "
+                   "fp8; only nn.Linear layers are swapped (transformers' Conv1D, for one, is "
+                   "not an nn.Linear)")
+    else:
+        fqn, reason = skips[0]
+        message = (f"convert_to_fp8: none of the {len(skips)} nn.Linear layer(s) of {name} "
+                   f"could be swapped, so nothing in it runs in fp8; {fqn!r} was kept: {reason}")
+    warn_once(("fp8-nothing-converted", message), message)
 
 
 def _check_filter(module_filter: Any) -> None:
