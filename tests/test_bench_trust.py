@@ -257,6 +257,7 @@ def test_an_interrupted_bench_writes_what_it_measured_and_exits_130(tmp_path, ca
     # The 5th round (the rotation's second turn: bf16-mixed, O2, 32-true) ended at O2.
     assert [len(r["round_ms"]) for r in doc["results"]] == [4, 5, 4]
     assert all(r["speedup"] is not None for r in doc["results"])
+    assert all(r["mem_ratio"] is None and r["mem_ratio_reason"] for r in doc["results"])
     assert "Recommendation:" in captured.out
 
 

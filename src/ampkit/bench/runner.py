@@ -232,7 +232,8 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
         on_policy: called with each policy's label; returns its progress callback.
 
     Returns:
-        One result per policy, with ``speedup`` (and ``speedup_ci``), ``mem_ratio`` and
+        One result per policy, with ``speedup`` (and ``speedup_ci``), ``mem_ratio`` (None on
+        a CPU when the policies shared this process, ``mem_ratio_reason`` saying why) and
         ``max_loss_dev`` relative to the first. A policy that raised (while building,
         warming up, stepping or finishing) is an error row instead, ``{"policy",
         "resolved", "error", "traceback"}`` (see ``failed``), and the others go on without
@@ -252,29 +253,48 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
             try:
                 play_rounds(runs, settings, ticks)
             except KeyboardInterrupt:
-                _interrupted(runs)
+                _interrupted(runs, settings, isolate)
             results = [run.finish() for run in runs]
     if not any("error" not in r for r in results):
         raise RuntimeError("every policy failed: " + "; ".join(
             f"{r['policy']}: {r['error']}" for r in results))
-    return compare(results)
+    return _compare(results, settings, isolate)
 
 
-def _interrupted(runs: list[Any]) -> None:
+def _compare(results: list[dict[str, Any]], settings: BenchSettings,
+             isolate: bool) -> list[dict[str, Any]]:
+    if torch.device(settings.device).type == "cpu" and not _process_per_policy(isolate):
+        for result in results:
+            result["mem_ratio_reason"] = ONE_PROCESS_RSS
+    return compare(results)  # mem_ratio None where mem_ratio_reason says why
+
+
+# CPU peak RSS only grows within a process (CUDA peaks are reset per policy).
+ONE_PROCESS_RSS = ("every policy ran in this one process, where a later one reuses heap "
+                   "memory an earlier one freed, so one policy's peak RSS is not comparable "
+                   "with another's (--isolate always measures each in a process of its own)")
+
+
+def _process_per_policy(isolate: bool) -> bool:
+    from . import worker  # the process protocol; it imports this module
+    return isolate and worker.CAN_FORK
+
+
+def _interrupted(runs: list[Any], settings: BenchSettings, isolate: bool) -> None:
     """Raise :class:`BenchInterrupted` with what the rounds measured so far. A process of
     its own per policy is in a session of its own (``worker``): the interrupt reached only
     this one, and each worker still answers ``finish``."""
     results = [run.finish() for run in runs]  # a policy without a timed step: an error row
     if not any("error" not in r for r in results):
         raise KeyboardInterrupt
-    raise BenchInterrupted(compare(results))
+    raise BenchInterrupted(_compare(results, settings, isolate))
 
 
 def _start(specs: list[PolicySpec], settings: BenchSettings, isolate: bool,
            stack: contextlib.ExitStack) -> list[Any]:
-    from . import worker  # the process protocol; it imports this module
-    if not (isolate and worker.CAN_FORK):
+    if not _process_per_policy(isolate):
         return [Guarded(spec, lambda s=spec: PolicyRun(s, settings)) for spec in specs]
+    from . import worker
     # A worker that fails to build its model fails start_workers as a whole (a
     # RuntimeError naming it); one that fails later becomes an error row.
     workers = worker.start_workers(specs, settings, stack)

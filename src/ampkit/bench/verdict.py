@@ -197,10 +197,6 @@ def bench_verdict(document: dict[str, Any]) -> list[str]:
     lines.append(f"Peak memory: {ref['memory_method']}.")
     if ref.get("mem_ratio_reason"):
         lines.append(f"No memory ratios: {ref['mem_ratio_reason']}.")
-    elif env["device"] == "cpu" and not settings.get("process_per_policy", True):
-        lines.append("All policies ran in one process: a later policy reuses heap memory an "
-                     "earlier one freed, so its peak RSS is understated (--isolate always "
-                     "measures each in a process of its own).")
     if "stability" in document:
         lines.append(_stability_sentence(document))
     return lines
