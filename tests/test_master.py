@@ -434,3 +434,89 @@ def test_an_overflow_inside_a_closure_reaches_no_weight(level):
     before = ((model(x).float() - y) ** 2).mean().item()
     optimizer.step(closure)  # not skipped: the overflow was this closure's step's
     assert ((model(x).float() - y) ** 2).mean().item() < before
+
+
+def _channels_last_convnet():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(5):  # 10 conv params: more than a move casts one by one (master._FEW)
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 8 * 8, 2)).to(
+        memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("path", ["scale_loss", "GradScaler"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_master_grads_take_their_masters_channels_last_layout(path, fused):
+    """The moved fp32 gradients were views of one contiguous buffer while the masters of a
+    channels_last model are channels_last: a fused optimizer pairs elements by memory
+    position and updated the wrong ones (wrong weights, no error)."""
+    import ampkit
+    torch.manual_seed(1)
+    x = torch.randn(4, 4, 8, 8).to(memory_format=torch.channels_last)
+    y = torch.randn(4, 2)
+    model = _channels_last_convnet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                   verbosity=0)
+    scaler = ampkit.GradScaler("cpu")
+    # apex's O2 by hand: fp32 masters (channels_last, as the params), the half model's
+    # gradients unscaled into them, the same optimizer on the masters.
+    ref = _channels_last_convnet()
+    masters = [p.detach().clone().requires_grad_() for p in ref.parameters()]
+    ref = ref.to(torch.bfloat16)
+    ref_opt = torch.optim.AdamW(masters, lr=1e-3, fused=fused)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        if path == "scale_loss":
+            scale = ampkit._amp_state.loss_scalers[0].loss_scale()
+            with ampkit.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        else:
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        ((ref(x.to(torch.bfloat16)).float() - y) ** 2).mean().mul(scale).backward()
+        for master, param in zip(masters, ref.parameters()):
+            master.grad = param.grad.float() * (1.0 / scale)
+            param.grad = None
+        ref_opt.step()
+        with torch.no_grad():
+            for master, param in zip(masters, ref.parameters()):
+                param.copy_(master)
+    got = list(ampkit.master_params(opt))
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(a, b) for a, b in zip(got, masters))
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters))
+
+
+def test_a_model_made_channels_last_after_initialize_steps_its_contiguous_masters_right():
+    """The few-gradient cast kept the gradient's channels_last layout for a contiguous master
+    (the model was converted after initialize): a fused step paired the wrong elements."""
+    import ampkit
+
+    def convnet():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                             nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(256, 2))
+    torch.manual_seed(1)
+    x, y = torch.randn(4, 4, 8, 8), torch.randn(4, 2)
+    runs = []
+    for late_channels_last in (False, True):
+        model = convnet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                       verbosity=0)
+        if late_channels_last:
+            model.to(memory_format=torch.channels_last)
+            assert model[0].weight.grad is None and master_of(model[0].weight).is_contiguous()
+        for _ in range(2):
+            opt.zero_grad()
+            with ampkit.scale_loss(((model(x) - y) ** 2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        runs.append([m.detach().clone() for m in ampkit.master_params(opt)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -191,12 +191,13 @@ class MasterWeights:
         if not pending and unscale is None:
             return  # e.g. the step after scale_loss moved them
         params = [param for param, _ in pending]
+        masters = [master for _, master in pending]
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
             if self._full_plan is None:
-                self._full_plan = _plan(params)
+                self._full_plan = _plan(params, masters)
             plan = self._full_plan
-        new = _to_fp32(params, plan, free=not keep)
+        new = _to_fp32(params, masters, plan, free=not keep)
         if unscale is not None:
             unscale(new)
         pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
@@ -287,18 +288,22 @@ _MIN_BUCKET = 1 << 16
 _FEW = 8
 
 
-# (sparse gradient indices, [(device, [(bucket indices, bucket numel)])]): how a move
-# converts the gradients of a list of params.
-_Plan = tuple[list[int], list[tuple[torch.device, list[tuple[list[int], int]]]]]
+# (sparse gradient indices, strided indices, [(device, [(bucket indices, bucket numel)])]):
+# how a move converts the gradients of a list of params.
+_Plan = tuple[list[int], list[int], list[tuple[torch.device, list[tuple[list[int], int]]]]]
 
 
-def _plan(params: list[Tensor]) -> _Plan:
-    """Sparse gradients apart; dense ones per device, cut into buckets (see _buckets)."""
+def _plan(params: list[Tensor], masters: list[Tensor]) -> _Plan:
+    """Sparse gradients apart, and those of masters in another memory layout than the
+    contiguous one (channels_last); the rest per device, cut into buckets (see _buckets)."""
     sparse: list[int] = []
+    strided: list[int] = []
     dense: dict[torch.device, list[int]] = defaultdict(list)
-    for i, param in enumerate(params):
+    for i, (param, master) in enumerate(zip(params, masters)):
         if param.grad.is_sparse:
             sparse.append(i)
+        elif not master.is_contiguous():
+            strided.append(i)
         else:
             dense[param.grad.device].append(i)
     devices = []
@@ -307,30 +312,35 @@ def _plan(params: list[Tensor]) -> _Plan:
         size_of = dict(zip(indices, numels))
         devices.append((device, [(bucket, sum(size_of[i] for i in bucket))
                                  for bucket in _buckets(indices, numels)]))
-    return sparse, devices
+    return sparse, strided, devices
 
 
-def _to_fp32(params: list[Tensor], plan: Optional[_Plan] = None, *,
+def _to_fp32(params: list[Tensor], masters: list[Tensor], plan: Optional[_Plan] = None, *,
              free: bool = True) -> list[Tensor]:
-    """fp32 copies of the params' half gradients, which are freed (set to None) unless
-    ``free`` is False.
+    """fp32 copies of the params' half gradients, each in its master's memory layout (a
+    fused optimizer pairs a param's and its gradient's elements by memory position); the
+    half gradients are freed (set to None) unless ``free`` is False.
 
-    Dense ones: one buffer, one call for its views and one foreach copy per bucket of a
-    device (O(buckets) copies, no kernel per gradient), or one cast per gradient in a
-    bucket of at most _FEW; sparse ones one by one. ``plan``: ``_plan(params)``, when the
-    caller has it already.
+    Those of contiguous masters: one buffer, one call for its views and one foreach copy
+    per bucket of a device (O(buckets) copies, no kernel per gradient), or one cast per
+    gradient in a bucket of at most _FEW; the others (sparse, channels_last) one by one.
+    ``plan``: ``_plan(params, masters)``, when the caller has it already.
     """
-    sparse, devices = plan if plan is not None else _plan(params)
+    sparse, strided, devices = plan if plan is not None else _plan(params, masters)
     out: list[Optional[Tensor]] = [None] * len(params)
     for i in sparse:
         out[i] = params[i].grad.float()
-        if free:
+    for i in strided:
+        out[i] = torch.empty_like(masters[i], dtype=torch.float32).copy_(params[i].grad)
+    if free:
+        for i in sparse + strided:
             params[i].grad = None
     for device, buckets in devices:
         for bucket, numel in buckets:
             grads = [params[i].grad for i in bucket]
             if len(grads) <= _FEW:
-                views = [grad.float() for grad in grads]
+                views = [grad.to(torch.float32, memory_format=torch.contiguous_format)
+                         for grad in grads]
             else:
                 flat = torch.empty(numel, dtype=torch.float32, device=device)
                 views = unflatten_dense_tensors(flat, grads)
