@@ -520,3 +520,20 @@ def test_a_model_made_channels_last_after_initialize_steps_its_contiguous_master
             opt.step()
         runs.append([m.detach().clone() for m in ampkit.master_params(opt)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_add_param_group_refuses_a_param_another_optimizer_steps_through_its_master():
+    """Accepted, it gave the weight a second master: every step the second optimizer copied
+    its never-updated master over the first one's update, and the layer stopped training."""
+    import ampkit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    back = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model, (back, head) = ampkit.initialize(model, [back, head], opt_level="O2",
+                                            half_dtype=torch.bfloat16, verbosity=0)
+    master = master_of(model[0].weight)
+    with pytest.raises(ValueError, match=r"a parameter of shape \(8, 4\) is already stepped by "
+                                         r"another optimizer through its fp32 master"):
+        head.add_param_group({"params": list(model[0].parameters())})
+    assert len(head.param_groups) == 1 and master_of(model[0].weight) is master

@@ -57,14 +57,19 @@ def release_masters(params: Iterable[Tensor]) -> int:
     """
     owners: dict[int, MasterWeights] = {}
     for param in params:
-        entry = _REGISTRY.get(id(param))
-        owner_ref = entry[2] if entry is not None and entry[0]() is param else _suspended(param)[1]
-        owner = owner_ref() if owner_ref is not None else None
+        owner = owner_of(param)
         if owner is not None:
             owners[id(owner)] = owner
     for owner in owners.values():
         owner.remove()
     return len(owners)
+
+
+def owner_of(param: Tensor) -> Optional["MasterWeights"]:
+    """The MasterWeights whose master ``param`` has, or None."""
+    entry = _REGISTRY.get(id(param))
+    owner_ref = entry[2] if entry is not None and entry[0]() is param else _suspended(param)[1]
+    return owner_ref() if owner_ref is not None else None
 
 
 def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:

@@ -30,11 +30,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ._dtypes import HALF_DTYPES
 from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
                             optimizer_step_function, register_optimizer_step_pre_hook)
 from ._warn import warn_once
-from .master import MASTER_MARK, MasterWeights
+from .master import MASTER_MARK, MasterWeights, owner_of
 
 ATTR = "_amp_stash"
 
@@ -387,6 +388,16 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
         raise ValueError("some parameters appear in more than one parameter group: a half "
                          "parameter given again is already stepped through its fp32 master; "
                          "valid: parameters not yet in this optimizer")
+    taken = next((p for p in params if p.dtype in HALF_DTYPES
+                  and owner_of(p) not in (None, masters)), None)
+    if taken is not None:
+        # Two masters of one weight: each step would copy its own into the model, the
+        # later one undoing the other's update (initialize refuses the same).
+        raise ValueError(f"a parameter of shape {tuple(taken.shape)} is already stepped by "
+                         "another optimizer through its fp32 master; with master weights each "
+                         "half parameter has one fp32 master that one optimizer steps; valid: "
+                         "parameters of no other optimizer (to move one, build the optimizers "
+                         "anew and pass them to ampkit.initialize again)")
     stash.inner_add_param_group(dict(group, params=params))
     masters.adopt_param_groups(self.param_groups[-1:])
 
