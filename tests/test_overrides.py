@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ampkit
 from ampkit import overrides
@@ -546,3 +547,73 @@ def test_a_compiled_fp32_override_has_an_fp32_backward_with_backward_autocast_of
     with functorch_config.patch(backward_pass_autocast="off"):
         assert torch.equal(_override_weight_grad(True), _override_weight_grad(False))
     assert functorch_config.backward_pass_autocast == "same_as_forward"
+
+
+# --- activation checkpointing ----------------------------------------------------------------
+def _checkpointed_grads(checkpoint_kwargs, region):
+    """Weight gradients of a block with an fp32 override, checkpointed or not."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+
+    @ampkit.float_function
+    def gram(a):
+        return a @ a.t()
+
+    def block(t):
+        return torch.tanh(torch.cumsum(gram(lin(t)), 0)).sum(-1)
+
+    with region():
+        out = block(x) if checkpoint_kwargs is None else checkpoint(block, x, **checkpoint_kwargs)
+    out.sum().backward()
+    return lin.weight.grad
+
+
+def test_a_checkpoint_recompute_runs_in_the_forwards_regions_with_checkpoint_context_fn():
+    """The recompute runs in backward, after the region closed: without the forward's
+    regions the overrides did not cast there, and torch refused the recomputed tensors."""
+    from torch.utils.checkpoint import CheckpointError
+    ampkit.register_float_function(torch, "cumsum")
+    region = lambda: autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    ref = _checkpointed_grads(None, region)
+    got = _checkpointed_grads(dict(use_reentrant=False,
+                                   context_fn=ampkit.checkpoint_context_fn), region)
+    assert torch.equal(got, ref)
+    with pytest.raises(CheckpointError, match="different metadata"):  # why it is needed
+        _checkpointed_grads(dict(use_reentrant=False), region)
+    assert overrides._local.frames == [] and torch.cumsum is overrides._registry[
+        (id(torch), "cumsum")].original  # the recompute's regions closed again
+
+
+def test_checkpoint_context_fn_replays_o1s_region_and_a_disabled_nested_one():
+    from torch.utils.checkpoint import checkpoint
+    ampkit.register_float_function(F, "layer_norm")
+
+    class Net(torch.nn.Module):
+        def __init__(self, kwargs):
+            super().__init__()
+            self.a, self.ln, self.b = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+            self.kwargs = kwargs
+
+        def block(self, x):
+            with ampkit.disable_casts():
+                x = x.float() * 2  # inside the checkpointed function: replayed by it
+            return self.b(torch.relu(self.ln(self.a(x))))
+
+        def forward(self, x):
+            return self.block(x) if self.kwargs is None else checkpoint(self.block, x,
+                                                                        **self.kwargs)
+
+    grads = []
+    for kwargs in (None, dict(use_reentrant=False, context_fn=ampkit.checkpoint_context_fn)):
+        torch.manual_seed(0)
+        model = Net(kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ampkit.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                       verbosity=0)
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -31,6 +31,7 @@ from .scaler import GradScaler, ScalerStats
 # Torch-style: autocast and op overrides
 from .autocast import autocast
 from .overrides import (
+    checkpoint_context_fn,
     disable_casts,
     float_function,
     half_function,
@@ -72,4 +73,5 @@ __all__ = [
     "float_function",
     "promote_function",
     "disable_casts",
+    "checkpoint_context_fn",
 ]

@@ -170,6 +170,55 @@ def disable_casts() -> Iterator[None]:
         yield
 
 
+class _Replay:
+    """Re-enters, around a checkpoint's recompute, the ampkit.autocast frames that were
+    open in this thread when its forward ran (torch's checkpoint restores torch's autocast
+    state itself, but not ampkit's regions, which the overrides act in)."""
+
+    def __init__(self, frames: list[tuple[str, torch.dtype, bool, bool]]) -> None:
+        self.frames = [frame[:3] for frame in frames]
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype, enabled in self.frames:
+                push_frame(device_type, dtype, enabled)
+                stack.callback(pop_frame)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, _Replay]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``:
+    the recompute in backward runs inside the ampkit.autocast regions (and O1's) that were
+    open at the forward, so registered overrides and the op decorators cast as they did.
+
+    Without it the recompute runs after the region has closed: the overrides do not act
+    there, and torch refuses the recomputed tensors, whose dtypes differ from the forward's
+    (``CheckpointError``). The reentrant checkpoint has no ``context_fn``; it recomputes
+    without the overrides and its gradients differ. Not needed without overrides: torch
+    restores its own autocast state.
+
+    Example:
+        >>> import torch, ampkit
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> handle = ampkit.register_float_function(torch, "cumsum")
+        >>> x = torch.ones(2, 2, requires_grad=True)
+        >>> with ampkit.autocast("cpu", dtype=torch.bfloat16):
+        ...     y = checkpoint(lambda t: torch.cumsum(t @ t, 0), x, use_reentrant=False,
+        ...                    context_fn=ampkit.checkpoint_context_fn)
+        >>> y.dtype
+        torch.float32
+        >>> y.sum().backward()
+        >>> handle.remove()
+    """
+    return contextlib.nullcontext(), _Replay(_local.frames)
+
+
 # --- casting --------------------------------------------------------------------------
 # Only these are cast: float64 (and non-float) tensors keep their dtype, as under torch
 # autocast, which leaves fp64 ops alone.
