@@ -744,3 +744,48 @@ def test_a_dataclass_input_that_requires_grad_gets_no_grad():
     batch = _Batch(torch.randn(4, 8, requires_grad=True))
     inspect(Unwrap(), batch, policy="bf16-mixed")
     assert batch.x.grad is None
+
+
+# --- compiled models -------------------------------------------------------------------------
+def _overflowing_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3e5)  # layer 0's outputs overflow fp16 (> 65504)
+    return model
+
+
+def _compiled_after_a_step(model, x, y):
+    compiled = torch.compile(model, backend="aot_eager")
+    (compiled(x) - y).pow(2).mean().backward()  # compiled before any ampkit hook exists
+    model.zero_grad(set_to_none=True)
+    return compiled
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.6+: set_stance")
+def test_inspect_of_a_compiled_model_reports_its_modules_as_for_the_model_itself():
+    """Compiled code skipped the hooks inspect adds (dynamo does not recompile for them):
+    the report had no modules and advised keeping a policy that overflows."""
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    model = _overflowing_mlp()
+    eager = inspect(model, x, y, policy="16-mixed")
+    compiled = _compiled_after_a_step(model, x, y)
+    report = inspect(compiled, x, y, policy="16-mixed")
+    assert [m.name for m in report.modules] == [m.name for m in eager.modules] == ["0", "1", "2"]
+    assert report.first_nonfinite == eager.first_nonfinite == ("forward", "0")
+    assert json.dumps(report.to_dict()) == json.dumps(eager.to_dict())  # NaN losses: by text
+    assert torch.compiler.is_compiling() is False and model[0].weight.grad is None
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.6+: set_stance")
+@pytest.mark.parametrize("watched", ["model", "compiled"])
+def test_watch_on_a_compiled_model_finds_the_first_nonfinite_module(watched):
+    """It named the wrong phase (watching the model) or the whole model ('', watching the
+    compiled one): the compiled code ran without its hooks."""
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = _compiled_after_a_step(model, x, y)
+    with watch(model if watched == "model" else compiled) as w:
+        compiled(x * float("inf")).sum().backward()
+    assert w.first_nonfinite == ("forward", "0")
+    compiled(x).sum().backward()  # compiled again outside the block: no recompile needed

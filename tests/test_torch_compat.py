@@ -145,6 +145,24 @@ def _is_compiling() -> None:
     _check("is_compiling", seen == [True], f"saw {seen} while dynamo traced, not [True]")
 
 
+def _compiled_modules() -> None:
+    """uncompiled unwraps torch.compile's module; inside compiled_code_eager a compiled
+    function runs as Python."""
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model, backend="eager")
+    _check("uncompiled", tc.uncompiled(compiled) is model and tc.uncompiled(model) is model,
+           "did not unwrap torch.compile(model) to the model")
+    def f(x):
+        return x * (3 if tc.is_compiling() else 2)  # 3 where traced, 2 where run as Python
+
+    g = torch.compile(f, backend="eager")
+    _check("compiled_code_eager", g(torch.ones(1)).item() == 3, "the function did not compile")
+    with tc.compiled_code_eager():
+        inside = g(torch.ones(1)).item()
+    _check("compiled_code_eager", inside == 2, "the compiled function did not run eagerly inside")
+    _check("compiled_code_eager", g(torch.ones(1)).item() == 3, "not compiled again after")
+
+
 def _graph_break() -> None:
     """Two graphs around the break, and the eager code between them runs once per call."""
     graphs, between = [], []
@@ -584,6 +602,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
+    "uncompiled": _compiled_modules, "compiled_code_eager": _compiled_modules,
     "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,

@@ -24,13 +24,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import importlib
 import re
+import sys
 import types
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +50,7 @@ __all__ = [
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
     "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
-    "unsafe_view",
+    "unsafe_view", "uncompiled", "compiled_code_eager",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
     "op_mutates",
@@ -272,6 +274,34 @@ def import_dynamo() -> None:
     imports it (seconds) through torch's disable-dynamo decorator: bench workers forked
     after this share the import."""
     importlib.import_module("torch._dynamo")
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile(module)`` wrapped (its ``_orig_mod``), or ``module``.
+
+    Without torch._dynamo imported nothing was compiled: it is not imported for this."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    while wrapper is not None and isinstance(module, wrapper):
+        module = module._orig_mod
+    return module
+
+
+@contextlib.contextmanager
+def compiled_code_eager() -> Iterator[None]:
+    """torch.compile'd code runs eagerly inside (``set_stance("force_eager")``, torch 2.6+):
+    hooks registered after it compiled fire (dynamo does not recompile for them), and
+    nothing compiles. Nothing to do where torch._dynamo was never imported, nor on torch
+    2.5, which has no stance (its compiled code skips later hooks)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    set_stance = getattr(dynamo, "set_stance", None)
+    if set_stance is None or is_compiling():
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
 # Base class of the op counters in tests and benchmarks/bench_host.py; since 2.0.
 TorchDispatchMode = _entry("torch.utils._python_dispatch.TorchDispatchMode")
 

@@ -48,6 +48,7 @@ from .advice import Context, advise
 from .flops import FlopCounter, fp8_share
 from ._regions import autocast_off
 from .._rng import replayable_rng
+from .._torch_compat import compiled_code_eager, uncompiled
 from .nonfinite import watch
 from .report import ModuleStats, Report
 
@@ -121,12 +122,14 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
         >>> [m.name for m in report.modules]
         ['0', '1', '2']
     """
+    model = uncompiled(model)  # torch.compile(model): its modules, by their own names
     setup = _prepare(model, inputs, policy, loss_fn)
     # The caller's tensors are only read: a backward through them would write their .grad.
     inputs, target = _detached(inputs), _detached(target)
     # Both passes outside the caller's autocast regions: the reference is fp32 and the
-    # policy pass runs in the policy's own region only.
-    with replayable_rng(setup.device) as rng, autocast_off():
+    # policy pass runs in the policy's own region only. Compiled code runs eagerly: it
+    # would skip the hooks that record each module (and compile the FLOP counter).
+    with replayable_rng(setup.device) as rng, autocast_off(), compiled_code_eager():
         table, ref_loss = _reference_pass(model, inputs, target, setup)
         rng.rewind()
         return _policy_pass(model, inputs, target, setup, table, ref_loss)
@@ -145,7 +148,7 @@ def check_request(model: nn.Module, inputs: Any, *, policy: Union[str, Policy, N
         ...
         ValueError: parameter 'weight' is torch.float16; the reference pass must be fp32; ...
     """
-    _prepare(model, inputs, policy, loss_fn)
+    _prepare(uncompiled(model), inputs, policy, loss_fn)
 
 
 def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:

@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._dtypes import iter_tensors
-from .._torch_compat import sparse_values
+from .._torch_compat import compiled_code_eager, sparse_values, uncompiled
 from ._regions import autocast_off
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -105,6 +105,7 @@ class Watch:
             raise TypeError(f"watch takes a torch.nn.Module, got {type(model).__name__} {model!r}")
         if not isinstance(raise_on_nonfinite, bool):
             raise TypeError(f"raise_on_nonfinite must be True or False, got {raise_on_nonfinite!r}")
+        model = uncompiled(model)  # torch.compile(model): its modules, by their own names
         self._model = model
         self._raise = raise_on_nonfinite
         self._named = list(model.named_modules())
@@ -114,6 +115,7 @@ class Watch:
         self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._open = False
         self._first: Any = _NOT_EXITED
+        self._eager: Any = None  # compiled_code_eager() while open
 
     @property
     def first_nonfinite(self) -> Optional[tuple[str, str]]:
@@ -128,12 +130,16 @@ class Watch:
             raise RuntimeError("this watch is already open; valid: one with block at a time")
         self._flags, self._cells, self._first = _Flags(), WeakIdKeyDictionary(), _NOT_EXITED
         self._handles = self._install()
+        # Compiled code would skip hooks added after it compiled: it runs eagerly here.
+        self._eager = compiled_code_eager()
+        self._eager.__enter__()
         self._open = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._open = False
         try:
+            self._eager.__exit__(None, None, None)
             self._first = self._read_first()
         finally:
             for handle in self._handles:
@@ -255,6 +261,8 @@ def watch(model: nn.Module, *, raise_on_nonfinite: bool = False) -> Watch:
     Returns:
         A context manager; its ``first_nonfinite`` is None or ("forward"|"backward",
         name), read after exit. Hooks are removed at exit, also when the block raises.
+        Inside the block torch.compile'd code runs eagerly (torch 2.6+), so that every
+        module's hooks fire; ``watch(torch.compile(model))`` names the model's modules.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
