@@ -586,3 +586,65 @@ def test_keeping_one_side_of_a_tied_weight_is_refused_under_a_half_cast(level, k
                              keep_fp32=["wte", "lm_head"], verbosity=0)
     out = both(torch.tensor([[1, 2]]))  # kept together: it runs (O3 casts no output)
     assert out.dtype == (torch.float32 if level == "O2" else torch.bfloat16)
+
+
+# --- transformers' declared fp32 modules -------------------------------------------------------
+class _DenseActDense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi, self.wo = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x)))
+
+
+class _T5Like(nn.Module):
+    """transformers' T5 declares its feed-forward output layers fp32 (they overflow fp16)."""
+    _keep_in_fp32_modules = ["wo"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([_DenseActDense() for _ in range(2)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for block in self.block:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _declared_warnings(model, **kwargs):
+    import warnings
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ampkit.initialize(model, opt, verbosity=0, **kwargs)
+    return [str(w.message) for w in record if "declares" in str(w.message)]
+
+
+def test_a_model_declaring_fp32_modules_warns_when_o2_fp16_would_cast_them():
+    """T5 under O2 fp16 cast its `wo` layers to fp16 without a word, where transformers
+    itself keeps them fp32; the warning gives the keep_fp32 that does."""
+    model = _T5Like()
+    assert _declared_warnings(model, opt_level="O2", half_dtype=torch.float16) == [
+        "ampkit: _T5Like declares _keep_in_fp32_modules=['wo']: transformers keeps these "
+        "modules fp32 when it loads the model in torch.float16 (they can overflow in it), but "
+        "this policy casts 2 of them ('block.0.wo', ...) to torch.float16; to keep them fp32, "
+        "pass keep_fp32=['*.wo'] to ampkit.initialize (or call ampkit.keep_fp32(model, "
+        "['*.wo']) first)"]
+    assert model.block[0].wo.weight.dtype == torch.float16  # a warning: the cast is apex's
+
+
+def test_declared_fp32_modules_kept_bf16_or_fp32_params_do_not_warn():
+    assert _declared_warnings(_T5Like(), opt_level="O2", half_dtype=torch.float16,
+                              keep_fp32=["*.wo"]) == []
+    assert _declared_warnings(_T5Like(), opt_level="O2", half_dtype=torch.bfloat16) == []
+    assert _declared_warnings(_T5Like(), opt_level="O1", half_dtype=torch.float16) == []
+
+
+def test_strictly_declared_fp32_modules_warn_under_bf16_too():
+    model = _T5Like()
+    model._keep_in_fp32_modules, model._keep_in_fp32_modules_strict = None, ["head"]
+    warned = _declared_warnings(model, opt_level="O3", half_dtype=torch.bfloat16)
+    assert len(warned) == 1 and "_keep_in_fp32_modules_strict=['head']" in warned[0]
+    assert "keep_fp32=['head']" in warned[0]
