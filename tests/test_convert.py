@@ -488,3 +488,57 @@ def test_a_transformers_model_output_stays_one_in_and_out(level):
     expected = torch.float32 if level != "O3" else torch.bfloat16  # O3 casts no output
     assert out.logits.dtype is expected
     out.loss.backward()
+
+
+class _PositionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(4, 8))  # a position table
+        self.fc = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.tensor(1.0))  # 0-dim
+
+    def forward(self, x):
+        return self.fc(x + self.pos) * self.gain
+
+
+def test_a_load_pre_hook_registered_after_o2_reaches_the_masters():
+    """The masters took their values in ampkit's own pre-hook, before a user's hook
+    registered later had renamed or resized them: the next step (even at lr=0) copied the
+    stale masters back over the loaded weights."""
+    torch.manual_seed(0)
+    model = _PositionNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+
+    def rename(module, state_dict, prefix, *_):  # an old checkpoint's key
+        if prefix + "w" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+
+    def resize(module, state_dict, prefix, *_):  # a 2-row table, interpolated to 4 rows
+        table = state_dict[prefix + "pos"]
+        state_dict[prefix + "pos"] = table.repeat_interleave(2, dim=0)
+
+    model.fc.register_load_state_dict_pre_hook(rename)
+    model.register_load_state_dict_pre_hook(resize)
+    model.load_state_dict({"pos": torch.full((2, 8), 0.5), "fc.w": torch.full((8, 8), 0.25),
+                           "fc.bias": torch.full((8,), 0.125),
+                           "gain": torch.tensor([3.0])})  # (1,) into 0-dim, as torch allows
+    opt.step()
+    state = model.state_dict()
+    assert torch.equal(state["fc.weight"], torch.full((8, 8), 0.25))
+    assert torch.equal(state["pos"], torch.full((4, 8), 0.5))
+    assert state["gain"].item() == 3.0 and state["gain"].shape == ()
+    assert torch.equal(model.fc.weight, torch.full((8, 8), 0.25, dtype=torch.float16))
+    assert model.gain.item() == 3.0
+
+
+def test_a_refused_load_leaves_the_masters_as_the_parameters():
+    """A value torch refuses (wrong shape) reaches neither the parameter nor its master."""
+    torch.manual_seed(0)
+    model = _PositionNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="size mismatch for pos"):
+        model.load_state_dict(dict(before, pos=torch.ones(2, 8)))
+    assert torch.equal(model.state_dict()["pos"], before["pos"])

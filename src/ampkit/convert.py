@@ -402,21 +402,36 @@ def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metad
             "before ampkit.initialize. Nothing was loaded")
 
 
+# The state dict each module's load reads, from its pre-hook to its post-hook. The values
+# go into the masters in the post-hook, after every pre-hook of the load has run: a user's
+# hook registered after initialize (renaming keys, resizing a position table) has changed
+# them by then, as torch loaded them into the parameters.
+_LOADING: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, str]]" = weakref.WeakKeyDictionary()
+
+
 def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
                        strict: bool, missing_keys: list, unexpected_keys: list,
                        error_msgs: list) -> None:
-    # torch itself copies the value into the half parameter (rounding to nearest, the same
-    # rounding as the master -> model copy after a step), so model == half(master) holds.
-    params = [param for param in local_parameters(module).values() if param is not None]
-    with torch.no_grad():
-        for name, param in local_parameters(module).items():
-            value = state_dict.get(prefix + name)
-            master = master_of(param) if param is not None else None
-            if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
-                master.copy_(value)
+    _LOADING[module] = (state_dict, prefix)
     if swaps_params_on_load():
+        params = [param for param in local_parameters(module).values() if param is not None]
         suspend_for_swap(params)  # until _after_load: swap_tensors refuses weak references
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
     resume_after_swap()
+    state_dict, prefix = _LOADING.pop(module, (None, ""))
+    if state_dict is None:
+        return
+    # torch copied each value into its half parameter (rounding to nearest, as the
+    # master -> model copy after a step does), so model == half(master) holds.
+    with torch.no_grad():
+        for name, param in local_parameters(module).items():
+            value = state_dict.get(prefix + name)
+            master = master_of(param) if param is not None else None
+            if master is None or not isinstance(value, Tensor):
+                continue
+            if master.dim() == 0 and value.dim() == 1:
+                value = value[0]  # torch loads a (1,) value into a 0-dim parameter too
+            if value.shape == master.shape:  # else torch refused it as well
+                master.copy_(value)
