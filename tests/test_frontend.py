@@ -685,7 +685,10 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
             ({"loss_scale": float("inf"), "unskipped": 0}, ValueError, r"\['loss_scale'\].*got inf"),
             ({"loss_scale": "8", "unskipped": 0}, TypeError, r"\['loss_scale'\].*got str '8'"),
             ({"loss_scale": 8.0, "unskipped": -1}, ValueError, r"\['unskipped'\] must be an int"),
-            ({"loss_scale": 8.0, "unskipped": 1.5}, TypeError, r"\['unskipped'\] must be an int")]:
+            ({"loss_scale": 8.0, "unskipped": 1.5}, TypeError, r"\['unskipped'\] must be an int"),
+            # torch's growth tracker is int32: it raised after the scale had been loaded
+            ({"loss_scale": 8.0, "unskipped": 2**31}, ValueError,
+             r"\['unskipped'\] must be an int in \[0, 2147483647\], got 2147483648")]:
         with pytest.raises(error, match=r"amp state_dict\['loss_scaler1'\]" + words):
             load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0},
                              "loss_scaler1": entry})

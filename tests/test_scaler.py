@@ -517,11 +517,28 @@ def test_load_state_dict_bad_input_changes_nothing():
     for key, bad, message in [("growth_factor", 0.5, r"growth_factor=0.5 is out of range"),
                               ("scale", NAN, r"scale=nan is out of range"),
                               ("hysteresis", 0, r"hysteresis=0 is out of range"),
-                              ("min_scale", 1e9, r"min_scale=1000000000.0 is greater than")]:
+                              ("min_scale", 1e9, r"min_scale=1000000000.0 is greater than"),
+                              # int32 device counters: refused here, not by the fill after
+                              # the scale had changed (nor by the next scale() of a fresh one)
+                              ("_growth_tracker", 2**31, r"_growth_tracker=2147483648 is out "
+                                                         r"of range; valid range: integers in "
+                                                         r"\[0, 2147483647\]"),
+                              ("consecutive_skips", 2**31, r"consecutive_skips=2147483648"),
+                              ("hysteresis", 2**31, r"hysteresis=2147483648")]:
         state = dict(before, **{key: bad}, max_scale=1e6)
         with pytest.raises(ValueError, match=message):
             scaler.load_state_dict(state)
+    for bad in (None, [("scale", 1.0)], "scale", 65536.0):
+        with pytest.raises(TypeError, match=r"GradScaler.load_state_dict takes a dict, got "
+                                            rf"{type(bad).__name__} .*valid: the state_dict\(\)"):
+            scaler.load_state_dict(bad)
+        with pytest.raises(TypeError, match="takes a dict"):
+            scaler.check_state_dict(bad)
     assert scaler.state_dict() == before
+    fresh = GradScaler("cpu")
+    with pytest.raises(ValueError, match="_growth_tracker=2147483648 is out of range"):
+        fresh.load_state_dict(dict(before, _growth_tracker=2**31))
+    assert fresh.state_dict()["scale"] == 2.0**16
 
 
 def test_pickle_round_trip_and_mid_iteration_refusal():
@@ -544,7 +561,7 @@ def test_pickle_round_trip_and_mid_iteration_refusal():
     ({"backoff_factor": 0}, ValueError, r"backoff_factor=0 is out of range"),
     ({"growth_interval": 0}, ValueError, r"growth_interval=0 is out of range; valid range: integers >= 1"),
     ({"growth_interval": 2.5}, TypeError, r"growth_interval must be an int >= 1, got float 2.5"),
-    ({"hysteresis": 0}, ValueError, r"hysteresis=0 is out of range; valid range: integers >= 1"),
+    ({"hysteresis": 0}, ValueError, r"hysteresis=0 is out of range; valid range: integers in \[1, 2147483647\]"),
     ({"min_scale": 8.0, "max_scale": 4.0}, ValueError, r"min_scale=8.0 is greater than max_scale=4.0"),
     ({"min_scale": 0.0}, ValueError, r"min_scale=0.0 is out of range; valid range: \[1.17"),
     ({"max_scale": INF}, ValueError, r"max_scale=inf is out of range"),

@@ -22,12 +22,18 @@ def check_bool(name: str, value: Any, *, strings: bool = False) -> bool:
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}; valid: {valid}")
 
 
-def check_int(name: str, value: Any, low: int) -> int:
-    """An int (not a bool) >= ``low``."""
+# The largest count an int32 device counter holds (a scaler's growth tracker and run of
+# overflows, as torch keeps them).
+INT32_MAX = 2**31 - 1
+
+
+def check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    """An int (not a bool) >= ``low`` (and <= ``high``)."""
+    valid = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        raise TypeError(f"{name} must be an int {valid}, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an int {valid}, got {value!r}")
     return int(value)
 
 

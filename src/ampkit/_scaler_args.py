@@ -60,11 +60,12 @@ def _in_range(name: str, value: Any, low: float, high: float, *,
     return number
 
 
-def _count(name: str, value: Any, low: int) -> int:
+def _count(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers >= {low}")
+    if value < low or (high is not None and value > high):
+        valid = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers {valid}")
     return int(value)
 
 

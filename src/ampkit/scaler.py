@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from ._checks import INT32_MAX
 from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _backoff_factor,
                            _bounds, _check_group, _count, _device_type, _enabled, _growth_factor,
                            _in_range, check_optimizer)
@@ -214,7 +215,7 @@ class GradScaler:
         init = _in_range("init_scale", init_scale, 0.0, F32_MAX, low_open=True)
         growth, backoff = _growth_factor(growth_factor), _backoff_factor(backoff_factor)
         interval = _count("growth_interval", growth_interval, 1)
-        hyst = _count("hysteresis", hysteresis, 1)
+        hyst = _count("hysteresis", hysteresis, 1, INT32_MAX)
         bounds = _bounds(min_scale, max_scale)
         group = _check_group(process_group)
         self._device, self._growth_factor, self._backoff_factor = device_type, growth, backoff
@@ -800,13 +801,6 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
-        missing = [key for key in _TORCH_KEYS if key not in state_dict]
-        if missing:
-            raise KeyError(f"GradScaler state_dict lacks {missing}; it needs at least "
-                           f"{list(_TORCH_KEYS)}")
         new = self._parse_state_dict(state_dict)
         self._min_scale, self._max_scale = new["min_scale"], new["max_scale"]
         self._growth_factor, self._backoff_factor = new["growth_factor"], new["backoff_factor"]
@@ -826,6 +820,17 @@ class GradScaler:
         self._last_skipped_host = self._init_consecutive_skips > 0
 
     def _parse_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"GradScaler.load_state_dict takes a dict, got "
+                            f"{type(state_dict).__name__} {state_dict!r:.80}; valid: the "
+                            "state_dict() of an ampkit or torch.amp GradScaler")
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state_dict lacks {missing}; it needs at least "
+                           f"{list(_TORCH_KEYS)}")
         low, high = _bounds(state_dict.get("min_scale", self._min_scale),
                             state_dict.get("max_scale", self._max_scale))
         scale = _in_range("scale", state_dict["scale"], 0.0, math.inf, low_open=False)
@@ -834,12 +839,14 @@ class GradScaler:
             "growth_factor": _growth_factor(state_dict["growth_factor"]),
             "backoff_factor": _backoff_factor(state_dict["backoff_factor"]),
             "growth_interval": _count("growth_interval", state_dict["growth_interval"], 1),
-            "hysteresis": _count("hysteresis", state_dict.get("hysteresis", self._hysteresis), 1),
-            "_growth_tracker": _count("_growth_tracker", state_dict["_growth_tracker"], 0),
+            "hysteresis": _count("hysteresis", state_dict.get("hysteresis", self._hysteresis), 1,
+                                 INT32_MAX),
+            "_growth_tracker": _count("_growth_tracker", state_dict["_growth_tracker"], 0,
+                                      INT32_MAX),
             "steps": _count("steps", state_dict.get("steps", 0), 0),
             "skipped_steps": _count("skipped_steps", state_dict.get("skipped_steps", 0), 0),
             "consecutive_skips": _count("consecutive_skips",
-                                        state_dict.get("consecutive_skips", 0), 0),
+                                        state_dict.get("consecutive_skips", 0), 0, INT32_MAX),
         }
 
     def __getstate__(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .. import _state
-from .._checks import check_int, check_positive
+from .._checks import INT32_MAX, check_int, check_positive
 from ..optim import inner_optimizer
 from ..scaler import GradScaler
 from .scale_loss import require_initialized
@@ -118,7 +118,7 @@ def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
     # of 0 or inf would be applied (O0, O3) clamped to a bound nothing brings back.
     where = f"amp state_dict[{key!r}]"
     check_positive(f"{where}['loss_scale']", entry["loss_scale"])
-    check_int(f"{where}['unskipped']", entry["unskipped"], 0)
+    check_int(f"{where}['unskipped']", entry["unskipped"], 0, INT32_MAX)  # torch's int32 tracker
     # The scale and the clean-step count; settings (bounds, interval) stay this scaler's.
     return {"scale": entry["loss_scale"], "_growth_tracker": entry["unskipped"],
             "growth_factor": scaler.get_growth_factor(),
@@ -160,7 +160,7 @@ class _LossScaler:
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
-        value = int(check_int("_unskipped", value, 0))
+        value = int(check_int("_unskipped", value, 0, INT32_MAX))
         self._set(_growth_tracker=value)
         if self._amp.fixed_unskipped:
             self._amp.fixed_unskipped[self._loss_id] = value
