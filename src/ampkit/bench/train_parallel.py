@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
 import math
 import os
@@ -46,8 +47,9 @@ from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_
 __all__ = ["META", "check_checkpoint_dir", "check_parallel_train", "read_meta",
            "run_parallel_train"]
 
-META = "ampkit-train.json"  # the run's settings, nproc and history, in the checkpoint
-_FORMAT = "ampkit-train-dcp-1"
+META = "ampkit-train.json"  # the run's settings, nproc, history and files' digests
+# Format 2 records the sha256 digest of every file DCP wrote; 1 (no digests) is refused.
+_FORMAT, _UNSEALED_FORMAT = "ampkit-train-dcp-2", "ampkit-train-dcp-1"
 _RESULT, _EVENTS = "log.json", "events.jsonl"
 
 
@@ -84,10 +86,51 @@ def read_meta(path: str) -> dict[str, Any]:
         raise UsageError(f"--resume: {meta_path!r} cannot be read ({type(err).__name__}: "
                          f"{err}), the checkpoint is damaged; valid: an intact copy, or start "
                          "again without --resume") from None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found == _UNSEALED_FORMAT:
+        raise UsageError(f"--resume: checkpoint {path!r} has no sha256 digests (format "
+                         f"{found!r}, written by an earlier ampkit), so its content cannot be "
+                         f"verified; valid: a checkpoint in format {_FORMAT!r} (start again "
+                         "without --resume, or finish that run with the ampkit that wrote it)")
+    if found != _FORMAT:
         raise UsageError(f"--resume: {meta_path!r} is not in format {_FORMAT!r}; valid: a "
                          "checkpoint that ampkit train --nproc wrote")
+    _check_digests(path, meta.get("sha256"))
     return meta
+
+
+def _digests(folder: str) -> dict[str, str]:
+    """The sha256 digest of every file under ``folder`` but the run record, by relative path."""
+    digests = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            full = os.path.join(root, name)
+            relative = os.path.relpath(full, folder)
+            if relative == META:
+                continue
+            digest = hashlib.sha256()
+            with open(full, "rb") as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(block)
+            digests[relative] = digest.hexdigest()
+    return dict(sorted(digests.items()))
+
+
+def _check_digests(path: str, expected: Any) -> None:
+    """Refuse a checkpoint whose files are not exactly those written (DCP checks no sums)."""
+    if not isinstance(expected, dict):
+        why = "its record holds no digests"
+    else:
+        found = _digests(path)
+        if found == expected:
+            return
+        name = next(n for n in sorted(set(found) | set(expected))
+                    if found.get(n) != expected.get(n))
+        why = (f"{name!r} is missing" if name not in found else
+               f"{name!r} was not written with it" if name not in expected else
+               f"{name!r} does not match the sha256 digest recorded when it was written")
+    raise UsageError(f"--resume: checkpoint {path!r} is corrupted: {why}; valid: an intact "
+                     "copy, or start again without --resume")
 
 
 def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
@@ -268,7 +311,7 @@ def _save(trainer: RankTrainer, path: str) -> None:
     dcp.save(_state(trainer), checkpoint_id=tmp)  # ends once every rank has written
     if trainer.rank == 0:
         meta = {"format": _FORMAT, "settings": asdict(trainer.settings), "nproc": trainer.world,
-                "history": trainer.history}
+                "history": trainer.history, "sha256": _digests(tmp)}
         with open(os.path.join(tmp, META), "w") as out:
             json.dump(meta, out)
         _replace(tmp, path)

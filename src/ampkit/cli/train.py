@@ -20,9 +20,10 @@ _TRAIN_HELP = """\
 Train a classifier with any policy or opt level, with test accuracy per epoch.
 Data: digits (scikit-learn's 8x8 digits, the default), cifar10 (local files via
 torchvision, never downloaded), synthetic. --checkpoint writes model, optimizer,
-GradScaler and amp state after every epoch, with a sha256 digest of its content; --resume
-continues exactly where it stopped, and refuses a checkpoint whose digest does not match
-(corrupted) or that has none (format ampkit-train-1, from before digests).
+GradScaler and amp state after every epoch, with a sha256 digest of its content (with
+--nproc, of every file of its DCP folder); --resume continues exactly where it stopped, and
+refuses a checkpoint whose digest does not match (corrupted) or that has none (formats
+ampkit-train-1 and ampkit-train-dcp-1, from before digests).
 --model package.module:function: a function with no arguments that returns the classifier
 (a torch.nn.Module, or a tuple whose first item is one); it takes a batch of images, N x 1
 x 8 x 8 for digits and synthetic, N x 3 x 32 x 32 for cifar10, and returns N x 10 logits."""
