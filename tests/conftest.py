@@ -24,6 +24,11 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# AMPKIT_DEBUG=1 makes the CLI re-raise instead of printing its one line: the tests check
+# what a user sees by default, so a developer's own setting must not change them (nor
+# the commands they run in subprocesses, which inherit this environment).
+os.environ.pop("AMPKIT_DEBUG", None)
+
 HAS_CUDA = torch.cuda.is_available()
 # Parametrise with `@pytest.mark.parametrize("device", DEVICES)`: cuda cases carry the
 # gpu marker and are skipped on a machine without one.
