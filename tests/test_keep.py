@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import io
@@ -648,3 +649,13 @@ def test_strictly_declared_fp32_modules_warn_under_bf16_too():
     warned = _declared_warnings(model, opt_level="O3", half_dtype=torch.bfloat16)
     assert len(warned) == 1 and "_keep_in_fp32_modules_strict=['head']" in warned[0]
     assert "keep_fp32=['head']" in warned[0]
+
+
+def test_a_dotted_declared_module_is_matched_by_its_whole_name():
+    model = nn.Sequential(collections.OrderedDict(
+        tower=nn.Sequential(collections.OrderedDict(proj=nn.Linear(4, 4))),
+        proj=nn.Linear(4, 4)))
+    model._keep_in_fp32_modules_strict = ["tower.proj"]
+    warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.bfloat16)
+    assert len(warned) == 1 and "casts 1 of them ('tower.proj', ...)" in warned[0]
+    assert "keep_fp32=['tower.proj']" in warned[0]

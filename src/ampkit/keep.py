@@ -192,13 +192,15 @@ def warn_declared_fp32(model: nn.Module, names: Iterable[str], half: torch.dtype
         declared = getattr(model, attribute, None)
         if half not in dtypes or not isinstance(declared, (list, tuple, set)) or not declared:
             continue
-        entries = [e for e in declared if isinstance(e, str)]
+        entries = [e for e in declared if isinstance(e, str) and e]
+        # An entry names a module by its last dotted components ("wo", "model.vision_tower").
         cast = [name for name, module in model.named_modules()
-                if id(module) not in inside and any(e in name.split(".") for e in entries)]
+                if id(module) not in inside and module is not model
+                and any(f".{name}.".find(f".{e}.") >= 0 for e in entries)]
         if not cast:
             continue
-        patterns = sorted({f"*.{e}" if "." in name else e for name in cast for e in entries
-                           if name.split(".")[-1] == e} or set(cast))
+        patterns = sorted({e if name == e else f"*.{e}" for name in cast for e in entries
+                           if name == e or name.endswith(f".{e}")} or set(cast))
         warn_once(("declared-fp32", type(model).__name__, half),
                   f"ampkit: {type(model).__name__} declares {attribute}={list(entries)!r}: "
                   f"transformers keeps these modules fp32 when it loads the model in {half} "
