@@ -542,3 +542,24 @@ def test_a_refused_load_leaves_the_masters_as_the_parameters():
     with pytest.raises(RuntimeError, match="size mismatch for pos"):
         model.load_state_dict(dict(before, pos=torch.ones(2, 8)))
     assert torch.equal(model.state_dict()["pos"], before["pos"])
+
+
+def test_a_load_that_raises_midway_leaves_the_masters_with_the_parameters():
+    """With the masters written in the post-hook only, a child's hook that raised after
+    torch had loaded the parent's parameters left the parent's masters old, and the next
+    step copied them back over the loaded values."""
+    torch.manual_seed(0)
+    model = _PositionNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+
+    def boom(*_):
+        raise KeyError("a child's hook failed")
+
+    handle = model.fc.register_load_state_dict_pre_hook(boom)
+    with pytest.raises(KeyError, match="a child's hook failed"):
+        model.load_state_dict({"pos": torch.full((4, 8), 0.5)}, strict=False)
+    handle.remove()
+    opt.step()
+    assert torch.equal(model.pos, torch.full((4, 8), 0.5, dtype=torch.float16))
+    assert torch.equal(master_of(model.pos), torch.full((4, 8), 0.5))

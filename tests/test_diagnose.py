@@ -789,3 +789,22 @@ def test_watch_on_a_compiled_model_finds_the_first_nonfinite_module(watched):
         compiled(x * float("inf")).sum().backward()
     assert w.first_nonfinite == ("forward", "0")
     compiled(x).sum().backward()  # compiled again outside the block: no recompile needed
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch 2.6+: set_stance")
+def test_watches_closed_out_of_order_leave_compiled_code_compiling():
+    """The eager stance is process-wide: the second watch to close restored the stance the
+    first had saved on entry, and torch.compile compiled nothing for the rest of the run."""
+    from ampkit._torch_compat import is_compiling
+
+    def f(x):
+        return x * (3 if is_compiling() else 2)  # 3 where compiled, 2 where run eagerly
+
+    g = torch.compile(f, backend="eager")
+    a, b = watch(nn.Linear(2, 2)), watch(nn.Linear(2, 2))
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert g(torch.ones(1)).item() == 2  # b still open: eager
+    b.__exit__(None, None, None)
+    assert g(torch.ones(1)).item() == 3

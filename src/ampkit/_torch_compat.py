@@ -30,6 +30,7 @@ import inspect
 import importlib
 import re
 import sys
+import threading
 import types
 import weakref
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
@@ -287,19 +288,50 @@ def uncompiled(module: nn.Module) -> nn.Module:
     return module
 
 
+class _EagerStance:
+    """The process-wide "force_eager" stance, held while any compiled_code_eager region is
+    open (in any thread): the stance is process-wide, so regions that close out of order
+    (two threads, two watches) must not restore each other's saved stance."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.held: Any = None  # the set_stance object whose exit restores the stance before
+
+    def enter(self, set_stance: Callable[..., Any]) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.held = set_stance("force_eager")  # sets it now; its exit restores
+            self.depth += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                held, self.held = self.held, None
+                held.__exit__(None, None, None)
+
+
+_eager_stance = _EagerStance()
+
+
 @contextlib.contextmanager
 def compiled_code_eager() -> Iterator[None]:
-    """torch.compile'd code runs eagerly inside (``set_stance("force_eager")``, torch 2.6+):
-    hooks registered after it compiled fire (dynamo does not recompile for them), and
-    nothing compiles. Nothing to do where torch._dynamo was never imported, nor on torch
-    2.5, which has no stance (its compiled code skips later hooks)."""
+    """torch.compile'd code runs eagerly inside (``set_stance("force_eager")``, torch 2.6+),
+    in every thread of the process while any such region is open: hooks registered after
+    it compiled fire (dynamo does not recompile for them), and nothing compiles. Nothing to
+    do where torch._dynamo was never imported, nor on torch 2.5, which has no stance (its
+    compiled code skips later hooks)."""
     dynamo = sys.modules.get("torch._dynamo")
     set_stance = getattr(dynamo, "set_stance", None)
     if set_stance is None or is_compiling():
         yield
         return
-    with set_stance("force_eager"):
+    _eager_stance.enter(set_stance)
+    try:
         yield
+    finally:
+        _eager_stance.leave()
 
 
 # Base class of the op counters in tests and benchmarks/bench_host.py; since 2.0.

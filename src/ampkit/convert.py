@@ -391,6 +391,8 @@ def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metad
     """``load_state_dict(assign=True)`` would put new tensors in place of half parameters
     whose fp32 masters the optimizer steps: training would never reach the model again
     (nor its state_dict the masters). Refused before anything is loaded."""
+    if not prefix:  # the first hook of a load: what a load that raised left goes
+        _LOADING.clear()
     if not local_metadata.get("assign_to_params_buffers", False):
         return
     if any(master_of(param) is not None for param in module.parameters()):
@@ -403,15 +405,18 @@ def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metad
 
 
 # The state dict each module's load reads, from its pre-hook to its post-hook. The values
-# go into the masters in the post-hook, after every pre-hook of the load has run: a user's
-# hook registered after initialize (renaming keys, resizing a position table) has changed
-# them by then, as torch loaded them into the parameters.
+# go into the masters in the pre-hook, as torch is about to load them into the parameters,
+# and again in the post-hook, after every pre-hook of the load has run: a user's hook
+# registered after initialize (renaming keys, resizing a position table) has changed them
+# by then, as torch loaded them. A load that raises before a module's post-hook leaves
+# its entry (and the state dict) here until the next load begins.
 _LOADING: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, str]]" = weakref.WeakKeyDictionary()
 
 
 def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
                        strict: bool, missing_keys: list, unexpected_keys: list,
                        error_msgs: list) -> None:
+    _copy_into_masters(module, state_dict, prefix)
     _LOADING[module] = (state_dict, prefix)
     if swaps_params_on_load():
         params = [param for param in local_parameters(module).values() if param is not None]
@@ -421,10 +426,14 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
     resume_after_swap()
     state_dict, prefix = _LOADING.pop(module, (None, ""))
-    if state_dict is None:
-        return
-    # torch copied each value into its half parameter (rounding to nearest, as the
-    # master -> model copy after a step does), so model == half(master) holds.
+    if state_dict is not None:
+        _copy_into_masters(module, state_dict, prefix)
+
+
+def _copy_into_masters(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """The loaded values of ``module``'s own half parameters into their masters. torch
+    copies each into its parameter (rounding to nearest, as the master -> model copy after
+    a step does), so model == half(master) holds."""
     with torch.no_grad():
         for name, param in local_parameters(module).items():
             value = state_dict.get(prefix + name)

@@ -129,10 +129,14 @@ class Watch:
         if self._open:
             raise RuntimeError("this watch is already open; valid: one with block at a time")
         self._flags, self._cells, self._first = _Flags(), WeakIdKeyDictionary(), _NOT_EXITED
-        self._handles = self._install()
         # Compiled code would skip hooks added after it compiled: it runs eagerly here.
         self._eager = compiled_code_eager()
         self._eager.__enter__()
+        try:
+            self._handles = self._install()
+        except BaseException:
+            self._eager.__exit__(None, None, None)
+            raise
         self._open = True
         return self
 
