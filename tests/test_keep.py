@@ -628,11 +628,11 @@ def test_a_model_declaring_fp32_modules_warns_when_o2_fp16_would_cast_them():
     itself keeps them fp32; the warning gives the keep_fp32 that does."""
     model = _T5Like()
     assert _declared_warnings(model, opt_level="O2", half_dtype=torch.float16) == [
-        "ampkit: _T5Like declares _keep_in_fp32_modules=['wo']: transformers keeps these "
-        "modules fp32 when it loads the model in torch.float16 (they can overflow in it), but "
-        "this policy casts 2 of them ('block.0.wo', ...) to torch.float16; to keep them fp32, "
-        "pass keep_fp32=['*.wo'] to ampkit.initialize (or call ampkit.keep_fp32(model, "
-        "['*.wo']) first)"]
+        "ampkit: _T5Like declares _keep_in_fp32_modules=['wo']: transformers keeps those fp32 "
+        "when it loads the model in torch.float16 (they can overflow or lose precision there), "
+        "but this policy casts 4 of them ('block.0.wo.weight', ...) to torch.float16; to keep "
+        "them fp32 (with the rest of the modules holding them), pass keep_fp32=['*.wo'] to "
+        "ampkit.initialize (or call ampkit.keep_fp32(model, ['*.wo']) first)"]
     assert model.block[0].wo.weight.dtype == torch.float16  # a warning: the cast is apex's
 
 
@@ -657,5 +657,41 @@ def test_a_dotted_declared_module_is_matched_by_its_whole_name():
         proj=nn.Linear(4, 4)))
     model._keep_in_fp32_modules_strict = ["tower.proj"]
     warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.bfloat16)
-    assert len(warned) == 1 and "casts 1 of them ('tower.proj', ...)" in warned[0]
-    assert "keep_fp32=['tower.proj']" in warned[0]
+    assert len(warned) == 1 and "casts 2 of them ('tower.proj.weight', ...)" in warned[0]
+    assert "keep_fp32=['*.proj']" in warned[0]  # exactly tower.proj: the root's proj is 'proj'
+
+
+class _Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(4))  # DeepSeek-V3's
+
+
+def test_a_declared_parameter_is_matched_by_its_name_and_its_module_suggested():
+    """transformers matches entries against parameter names: DeepSeek-V3 declares its
+    router's bias, which a match over module names missed (no warning under bf16)."""
+    model = nn.Sequential(collections.OrderedDict(
+        layers=nn.ModuleList([nn.ModuleDict({"gate": _Router(), "up": nn.Linear(8, 8)})
+                              for _ in range(2)])))
+    model._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.bfloat16)
+    assert len(warned) == 1
+    assert "casts 2 of them ('layers.0.gate.e_score_correction_bias', ...)" in warned[0]
+    assert "keep_fp32=['*.gate']" in warned[0]
+    kept = nn.Sequential(collections.OrderedDict(layers=nn.ModuleList(
+        [nn.ModuleDict({"gate": _Router(), "up": nn.Linear(8, 8)}) for _ in range(2)])))
+    kept._keep_in_fp32_modules_strict = ["e_score_correction_bias"]
+    assert _declared_warnings(kept, opt_level="O2", half_dtype=torch.bfloat16,
+                              keep_fp32=["*.gate"]) == []
+    assert kept.layers[0].gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_a_declared_parameter_of_the_model_itself_says_only_the_whole_model_keeps_it():
+    model = _T5Like()
+    model._keep_in_fp32_modules = ["query_tokens"]  # Blip-2's, on the model itself
+    model.query_tokens = nn.Parameter(torch.zeros(2, 8))
+    warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.float16)
+    assert len(warned) == 1 and warned[0].endswith(
+        "they belong to the model itself, and keep_fp32 keeps whole modules: only keeping the "
+        "whole model ('') would keep them")

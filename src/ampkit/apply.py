@@ -25,6 +25,7 @@ from ._torch_compat import local_buffers
 from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
+from ._declared import warn_declared_fp32
 from .master import MasterWeights, master_of, release_masters
 from .optim import as_optimizers, stash_of, wrap
 from .policy import Policy, get_policy
@@ -110,7 +111,7 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
     if policy.param_dtype in HALF_DTYPES:  # the selection decides which parameters stay fp32
         for model, names in zip(model_list, kept or [keep.kept_names(m) for m in model_list]):
             keep.check_shared(model, names, policy.param_dtype)
-            keep.warn_declared_fp32(model, names, policy.param_dtype)
+            warn_declared_fp32(model, names, policy.param_dtype)
     return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept,
                 masters)
 

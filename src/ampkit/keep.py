@@ -40,7 +40,6 @@ from torch.utils.hooks import RemovableHandle
 from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
 from ._select import Modules, Selector, as_selectors, matching
 from ._torch_compat import is_compiling
-from ._warn import warn_once
 from .convert import BoundForward, conversion_of
 
 _ATTR = "_ampkit_keep_fp32"
@@ -174,40 +173,6 @@ def check_shared(model: nn.Module, names: Iterable[str], half: torch.dtype) -> N
                     f"{kept[id(param)]!r} is also {other!r}, outside the selection, which the "
                     f"policy casts to {half}; a parameter has one dtype; valid: keep both "
                     f"{holder!r} and {module_name!r} in fp32, or neither")
-
-
-# transformers' declarations of modules that must stay fp32: the first for fp16 loads,
-# the second (``_strict``) for bf16 ones too.
-_DECLARED = (("_keep_in_fp32_modules", (torch.float16,)),
-             ("_keep_in_fp32_modules_strict", (torch.float16, torch.bfloat16)))
-
-
-def warn_declared_fp32(model: nn.Module, names: Iterable[str], half: torch.dtype) -> None:
-    """Warn where a transformers model declares modules fp32 (T5's ``wo``, which overflows
-    fp16) that a policy casting the parameters to ``half`` would cast: transformers keeps
-    them fp32 when it loads the model in that dtype; apex's O2 did not, nor does ampkit
-    without being asked. The warning gives the ``keep_fp32`` that does."""
-    inside = {id(m) for name in names for m in model.get_submodule(name).modules()}
-    for attribute, dtypes in _DECLARED:
-        declared = getattr(model, attribute, None)
-        if half not in dtypes or not isinstance(declared, (list, tuple, set)) or not declared:
-            continue
-        entries = [e for e in declared if isinstance(e, str) and e]
-        # An entry names a module by its last dotted components ("wo", "model.vision_tower").
-        cast = [name for name, module in model.named_modules()
-                if id(module) not in inside and module is not model
-                and any(f".{name}.".find(f".{e}.") >= 0 for e in entries)]
-        if not cast:
-            continue
-        patterns = sorted({e if name == e else f"*.{e}" for name in cast for e in entries
-                           if name == e or name.endswith(f".{e}")} or set(cast))
-        warn_once(("declared-fp32", type(model).__name__, half),
-                  f"ampkit: {type(model).__name__} declares {attribute}={list(entries)!r}: "
-                  f"transformers keeps these modules fp32 when it loads the model in {half} "
-                  f"(they can overflow in it), but this policy casts {len(cast)} of them "
-                  f"({cast[0]!r}, ...) to {half}; to keep them fp32, pass "
-                  f"keep_fp32={patterns!r} to ampkit.initialize (or call "
-                  f"ampkit.keep_fp32(model, {patterns!r}) first)")
 
 
 def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[str]:
