@@ -524,7 +524,9 @@ def test_load_state_dict_bad_input_changes_nothing():
                                                          r"of range; valid range: integers in "
                                                          r"\[0, 2147483647\]"),
                               ("consecutive_skips", 2**31, r"consecutive_skips=2147483648"),
-                              ("hysteresis", 2**31, r"hysteresis=2147483648")]:
+                              ("hysteresis", 2**31, r"hysteresis=2147483648"),
+                              ("skipped_steps", 2**63, r"skipped_steps=9223372036854775808"),
+                              ("growth_interval", 2**63, r"growth_interval=9223372036854775808")]:
         state = dict(before, **{key: bad}, max_scale=1e6)
         with pytest.raises(ValueError, match=message):
             scaler.load_state_dict(state)
@@ -559,8 +561,8 @@ def test_pickle_round_trip_and_mid_iteration_refusal():
     ({"growth_factor": INF}, ValueError, r"growth_factor=inf is out of range"),
     ({"backoff_factor": 1.0}, ValueError, r"backoff_factor=1.0 is out of range; valid range: \(0.0, 1.0\)"),
     ({"backoff_factor": 0}, ValueError, r"backoff_factor=0 is out of range"),
-    ({"growth_interval": 0}, ValueError, r"growth_interval=0 is out of range; valid range: integers >= 1"),
-    ({"growth_interval": 2.5}, TypeError, r"growth_interval must be an int >= 1, got float 2.5"),
+    ({"growth_interval": 0}, ValueError, r"growth_interval=0 is out of range; valid range: integers in \[1, 9223372036854775807\]"),
+    ({"growth_interval": 2.5}, TypeError, r"growth_interval must be an int in \[1, 9223372036854775807\], got float 2.5"),
     ({"hysteresis": 0}, ValueError, r"hysteresis=0 is out of range; valid range: integers in \[1, 2147483647\]"),
     ({"min_scale": 8.0, "max_scale": 4.0}, ValueError, r"min_scale=8.0 is greater than max_scale=4.0"),
     ({"min_scale": 0.0}, ValueError, r"min_scale=0.0 is out of range; valid range: \[1.17"),

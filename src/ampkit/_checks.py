@@ -22,9 +22,10 @@ def check_bool(name: str, value: Any, *, strings: bool = False) -> bool:
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}; valid: {valid}")
 
 
-# The largest count an int32 device counter holds (a scaler's growth tracker and run of
-# overflows, as torch keeps them).
+# The largest counts a scaler's device counters hold: int32 (torch's growth tracker, the
+# run of overflows) and int64 (the skipped steps; the growth interval torch's update takes).
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 def check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:

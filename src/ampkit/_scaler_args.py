@@ -61,10 +61,10 @@ def _in_range(name: str, value: Any, low: float, high: float, *,
 
 
 def _count(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    valid = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int {valid}, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
-        valid = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers {valid}")
     return int(value)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from ._checks import INT32_MAX
+from ._checks import INT32_MAX, INT64_MAX
 from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _backoff_factor,
                            _bounds, _check_group, _count, _device_type, _enabled, _growth_factor,
                            _in_range, check_optimizer)
@@ -214,7 +214,7 @@ class GradScaler:
         device_type = _device_type(device) if check_device or device is None else device
         init = _in_range("init_scale", init_scale, 0.0, F32_MAX, low_open=True)
         growth, backoff = _growth_factor(growth_factor), _backoff_factor(backoff_factor)
-        interval = _count("growth_interval", growth_interval, 1)
+        interval = _count("growth_interval", growth_interval, 1, INT64_MAX)
         hyst = _count("hysteresis", hysteresis, 1, INT32_MAX)
         bounds = _bounds(min_scale, max_scale)
         group = _check_group(process_group)
@@ -703,7 +703,7 @@ class GradScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Set the growth interval (an int >= 1)."""
-        self._growth_interval = _count("growth_interval", new_interval, 1)
+        self._growth_interval = _count("growth_interval", new_interval, 1, INT64_MAX)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -838,13 +838,15 @@ class GradScaler:
             "scale": scale, "min_scale": low, "max_scale": high,
             "growth_factor": _growth_factor(state_dict["growth_factor"]),
             "backoff_factor": _backoff_factor(state_dict["backoff_factor"]),
-            "growth_interval": _count("growth_interval", state_dict["growth_interval"], 1),
+            "growth_interval": _count("growth_interval", state_dict["growth_interval"], 1,
+                                      INT64_MAX),
             "hysteresis": _count("hysteresis", state_dict.get("hysteresis", self._hysteresis), 1,
                                  INT32_MAX),
             "_growth_tracker": _count("_growth_tracker", state_dict["_growth_tracker"], 0,
                                       INT32_MAX),
             "steps": _count("steps", state_dict.get("steps", 0), 0),
-            "skipped_steps": _count("skipped_steps", state_dict.get("skipped_steps", 0), 0),
+            "skipped_steps": _count("skipped_steps", state_dict.get("skipped_steps", 0), 0,
+                                    INT64_MAX),
             "consecutive_skips": _count("consecutive_skips",
                                         state_dict.get("consecutive_skips", 0), 0, INT32_MAX),
         }
