@@ -90,9 +90,11 @@ def _two_rank_record(tmp_path: Path) -> Path:
     folder.mkdir()
     settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
                 "lr": 1e-3, "seed": 0}
-    (folder / META).write_text(json.dumps({"format": "ampkit-train-dcp-2", "nproc": 2,
-                                           "settings": settings, "history": [],
-                                           "sha256": {}}))
+    from ampkit.bench.train_parallel import _record_digest
+
+    meta = {"format": "ampkit-train-dcp-2", "nproc": 2, "settings": settings, "history": [],
+            "sha256": {}}
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
     return folder
 
 
@@ -101,15 +103,22 @@ def test_a_dcp_checkpoint_whose_files_changed_is_refused_by_their_digests(tmp_pa
     although --help promised a sha256 check."""
     import torch.distributed.checkpoint as dcp
 
-    from ampkit.bench.train_parallel import _digests
     from ampkit.bench.errors import UsageError
+    from ampkit.bench.train_parallel import _digests, _record_digest
 
     folder = tmp_path / "ckpt"
     dcp.save({"w": torch.arange(64.0)}, checkpoint_id=str(folder))
     (tmp_path / "x").mkdir()
     meta = json.loads((_two_rank_record(tmp_path / "x") / META).read_text())
-    (folder / META).write_text(json.dumps(dict(meta, sha256=_digests(str(folder)))))
+    del meta["record_sha256"]
+    meta = dict(meta, sha256=_digests(str(folder)))
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
     assert read_meta(str(folder))["nproc"] == 2 and ".metadata" in _digests(str(folder))
+    (folder / META).write_text(json.dumps(dict(meta, nproc=3, record_sha256=_record_digest(meta))))
+    with pytest.raises(UsageError, match=r"'ampkit-train.json' does not match the sha256 digest "
+                                         r"recorded in it"):
+        read_meta(str(folder))
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
     shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1

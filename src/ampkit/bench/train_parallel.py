@@ -60,7 +60,7 @@ def check_checkpoint_dir(path: str, resume: bool) -> None:
         raise UsageError(f"--checkpoint {path!r} is a file; with --nproc a checkpoint is a "
                          "folder (torch.distributed.checkpoint); valid: a folder path")
     if resume:
-        read_meta(path)
+        read_meta(path, verify=False)  # the files' digests: once, in check_parallel_train
         return
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -72,8 +72,9 @@ def check_checkpoint_dir(path: str, resume: bool) -> None:
                          "valid: a folder path in a folder you can write to") from None
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    """The run record of a DCP checkpoint that ``train --nproc`` wrote."""
+def read_meta(path: str, *, verify: bool = True) -> dict[str, Any]:
+    """The run record of a DCP checkpoint that ``train --nproc`` wrote; ``verify``: also
+    check the sha256 digests of the record and of every file (reading all of them)."""
     _finish_replace(path)
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
@@ -95,7 +96,8 @@ def read_meta(path: str) -> dict[str, Any]:
     if found != _FORMAT:
         raise UsageError(f"--resume: {meta_path!r} is not in format {_FORMAT!r}; valid: a "
                          "checkpoint that ampkit train --nproc wrote")
-    _check_digests(path, meta.get("sha256"))
+    if verify:
+        _check_digests(path, meta)
     return meta
 
 
@@ -116,10 +118,20 @@ def _digests(folder: str) -> dict[str, str]:
     return dict(sorted(digests.items()))
 
 
-def _check_digests(path: str, expected: Any) -> None:
-    """Refuse a checkpoint whose files are not exactly those written (DCP checks no sums)."""
+def _record_digest(meta: dict[str, Any]) -> str:
+    """The sha256 digest of the run record itself (its settings, history and file digests)."""
+    record = {key: value for key, value in meta.items() if key != "record_sha256"}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _check_digests(path: str, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose record or files are not exactly those written (DCP checks
+    no sums)."""
+    expected = meta.get("sha256")
     if not isinstance(expected, dict):
         why = "its record holds no digests"
+    elif meta.get("record_sha256") != _record_digest(meta):
+        why = f"{META!r} does not match the sha256 digest recorded in it"
     else:
         found = _digests(path)
         if found == expected:
@@ -137,19 +149,22 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                        checkpoint: Optional[str] = None, resume: bool = False,
                        on_epoch: Optional[OnEpoch] = None,
                        on_warning: Optional[Warn] = None,
-                       on_start: Optional[Callable[[Optional[int]], None]] = None
-                       ) -> dict[str, Any]:
+                       on_start: Optional[Callable[[Optional[int]], None]] = None,
+                       checked: bool = False) -> dict[str, Any]:
     """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
     ``on_start`` is called once every rank has read its data, model and checkpoint,
     before the first epoch (an error a rank finds before then comes without it), with the
     epochs the checkpoint finished when resuming (else None), as :func:`train` calls it.
+    ``checked``: the caller has just made :func:`check_parallel_train`'s checks (whose
+    digests read the whole checkpoint), which are then not made again.
 
     Raises:
         UsageError: before launching: ``--resume`` without a checkpoint of this run's
             settings and nproc, or a checkpoint path that cannot be written.
         RankError: a rank failed (the message names the first that did).
     """
-    check_parallel_train(settings, plan, checkpoint=checkpoint, resume=resume)
+    if not checked:
+        check_parallel_train(settings, plan, checkpoint=checkpoint, resume=resume)
     with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
         job = os.path.join(folder, "job.json")
         with open(job, "w") as out:
@@ -166,7 +181,8 @@ def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
 def check_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                          checkpoint: Optional[str] = None, resume: bool = False) -> None:
     """The checks :func:`run_parallel_train` makes before it launches, alone (UsageError):
-    a writable checkpoint folder, and to resume, one of these settings and nproc."""
+    a writable checkpoint folder, and to resume, an intact one (its digests) of these
+    settings and nproc."""
     if resume and not checkpoint:
         raise UsageError("--resume needs --checkpoint DIR (the checkpoint to continue)")
     if checkpoint:
@@ -312,6 +328,7 @@ def _save(trainer: RankTrainer, path: str) -> None:
     if trainer.rank == 0:
         meta = {"format": _FORMAT, "settings": asdict(trainer.settings), "nproc": trainer.world,
                 "history": trainer.history, "sha256": _digests(tmp)}
+        meta["record_sha256"] = _record_digest(meta)
         with open(os.path.join(tmp, META), "w") as out:
             json.dump(meta, out)
         _replace(tmp, path)
@@ -350,7 +367,7 @@ def _load(trainer: RankTrainer, path: str) -> int:
     """Load the checkpoint into a freshly built rank; the number of epochs it holds."""
     from ..distributed import load_checkpoint
 
-    meta = read_meta(path)  # the parent checked its settings and nproc
+    meta = read_meta(path, verify=False)  # the parent checked its digests, settings, nproc
     state = _state(trainer)
     fp8_key = f"fp8.rank{trainer.rank}"
     if _shared_fp8_histories(path):  # written before each rank kept its own: rank 0's

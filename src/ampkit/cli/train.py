@@ -117,7 +117,8 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
 
         return dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
                                        resume=args.resume, on_epoch=on_epoch,
-                                       on_warning=on_warning, on_start=on_start),
+                                       on_warning=on_warning, on_start=on_start,
+                                       checked=True),  # run() checked it before the header
                     **plan.fields())
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
     with report.Progress(enabled=show, keep_done=False) as progress:
