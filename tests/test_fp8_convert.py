@@ -485,3 +485,13 @@ def test_converting_a_converted_model_again_does_not_warn(recwarn):
     convert_to_fp8(model, recipe=EMU["tensorwise"])
     convert_to_fp8(model, recipe=EMU["tensorwise"])
     assert not [w for w in recwarn if "convert_to_fp8" in str(w.message)]
+
+
+def test_a_bare_linear_that_cannot_be_swapped_warns_too():
+    with pytest.warns(UserWarning) as record:
+        layer = convert_to_fp8(nn.Linear(30, 32), recipe=EMU["tensorwise"])
+    assert type(layer) is nn.Linear
+    assert [str(w.message) for w in record] == [
+        "convert_to_fp8: none of the 1 nn.Linear layer(s) of Linear could be swapped, so "
+        "nothing in it runs in fp8; it was kept as it is: in_features=30 and out_features=32 "
+        "must both be multiples of 16 for fp8 GEMMs"]

@@ -149,6 +149,8 @@ def convert_to_fp8(model: nn.Module, *,
         if reason is not None:
             logger.info("convert_to_fp8: kept the model (%s) as it is: %s",
                         type(model).__name__, reason)
+            if module_filter is None:
+                _warn_nothing_converted(model, [("", reason)])
             return model
         _check_devices(config, [model])
         converted = Float8Linear.from_linear(model, config)
@@ -184,8 +186,9 @@ def _warn_nothing_converted(model: nn.Module, skips: list[tuple[str, str]]) -> N
                    "not an nn.Linear)")
     else:
         fqn, reason = skips[0]
+        what = f"{fqn!r} was kept" if fqn else "it was kept as it is"
         message = (f"convert_to_fp8: none of the {len(skips)} nn.Linear layer(s) of {name} "
-                   f"could be swapped, so nothing in it runs in fp8; {fqn!r} was kept: {reason}")
+                   f"could be swapped, so nothing in it runs in fp8; {what}: {reason}")
     warn_once(("fp8-nothing-converted", message), message)
 
 
