@@ -196,12 +196,14 @@ class MasterWeights:
         if not pending and unscale is None:
             return  # e.g. the step after scale_loss moved them
         params = [param for param, _ in pending]
-        masters = [master for _, master in pending]
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
+            masters = self.master_params  # every param has a grad: the pairs are all of them
             if self._full_plan is None:
                 self._full_plan = _plan(params, masters)
             plan = self._full_plan
+        else:
+            masters = [master for _, master in pending]
         new = _to_fp32(params, masters, plan, free=not keep)
         if unscale is not None:
             unscale(new)
