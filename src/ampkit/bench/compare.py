@@ -14,6 +14,15 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return None if num is None or not den else num / den
 
 
+def no_memory_ratios(results: list[dict[str, Any]], where: str, remedy: str = "") -> None:
+    """Mark ``results`` as measured by CPU peak RSS in one shared process (``where``): it
+    only grows within a process, so their memory ratios are None, with this reason."""
+    reason = (f"every policy ran in {where}, where a later one reuses heap memory an earlier "
+              f"one freed, so one policy's peak RSS is not comparable with another's{remedy}")
+    for result in results:
+        result["mem_ratio_reason"] = reason
+
+
 def _mem_ratio(result: dict[str, Any], ref: dict[str, Any]) -> Optional[float]:
     """Peak memory relative to the reference's; None where a result's ``mem_ratio_reason``
     says the peaks are not comparable (``ampkit bench --nproc`` on a CPU)."""

@@ -46,11 +46,11 @@ from .errors import UsageError
 from .launch import launch_ranks, rank_main, usable_cores
 from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
-from .compare import compare, max_loss_deviation
+from .compare import compare, max_loss_deviation, no_memory_ratios
 from .runner import BenchSettings, PolicyRun, Setup, play_rounds
 
 __all__ = ["Parallel", "ParallelPlan", "check_plan", "rank_settings", "run_parallel_bench",
-           "scaling_rows", "scaling_sentence", "SCALING_HEADERS", "SHARED_RSS"]
+           "scaling_rows", "scaling_sentence", "SCALING_HEADERS"]
 
 _PG_TIMEOUT = datetime.timedelta(minutes=60)  # the baseline runs while the others wait
 _RESULTS = "results.json"
@@ -162,15 +162,8 @@ def run_parallel_bench(specs: list[PolicySpec], settings: BenchSettings,
         with open(os.path.join(folder, _RESULTS)) as src:
             results = json.load(src)
     if torch.device(settings.device).type == "cpu":
-        for result in results:
-            result["mem_ratio_reason"] = SHARED_RSS
+        no_memory_ratios(results, "the same process on each rank")
     return compare(results)  # mem_ratio None where mem_ratio_reason says why
-
-
-# A CPU rank runs every policy in one process, where peak RSS is not one policy's alone.
-SHARED_RSS = ("every policy ran in the same process on each rank, where a later one reuses "
-              "heap memory an earlier one freed, so one policy's peak RSS is not comparable "
-              "with another's")
 
 
 def rank_settings(settings: BenchSettings, plan: ParallelPlan) -> BenchSettings:

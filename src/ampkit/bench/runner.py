@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .._torch_compat import dynamo_reset
 from ..diagnose.flops import FlopCounter, low_precision_share
-from .compare import compare
+from .compare import compare, no_memory_ratios
 from .errors import BenchInterrupted, UsageError
 from .._measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
@@ -34,7 +34,8 @@ from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, tra
 from .guarded import Guarded, failed, guarded  # noqa: F401 - failed: re-exported
 from .workloads import Workload, get_workload
 
-__all__ = ["BenchSettings", "PolicyRun", "Setup", "failed", "play_rounds", "run_bench",
+__all__ = ["BenchSettings", "PolicyRun", "Setup", "failed", "play_rounds", "process_per_policy",
+           "run_bench",
            "run_policy", "stable", "summarise"]
 
 OnStep = Callable[[int, int], None]
@@ -263,19 +264,16 @@ def run_bench(specs: list[PolicySpec], settings: BenchSettings, *, isolate: bool
 
 def _compare(results: list[dict[str, Any]], settings: BenchSettings,
              isolate: bool) -> list[dict[str, Any]]:
-    if torch.device(settings.device).type == "cpu" and not _process_per_policy(isolate):
-        for result in results:
-            result["mem_ratio_reason"] = ONE_PROCESS_RSS
+    if torch.device(settings.device).type == "cpu" and not process_per_policy(isolate):
+        # CPU peak RSS only grows within a process (CUDA peaks are reset per policy).
+        no_memory_ratios(results, "this one process",
+                         " (--isolate always measures each in a process of its own)")
     return compare(results)  # mem_ratio None where mem_ratio_reason says why
 
 
-# CPU peak RSS only grows within a process (CUDA peaks are reset per policy).
-ONE_PROCESS_RSS = ("every policy ran in this one process, where a later one reuses heap "
-                   "memory an earlier one freed, so one policy's peak RSS is not comparable "
-                   "with another's (--isolate always measures each in a process of its own)")
-
-
-def _process_per_policy(isolate: bool) -> bool:
+def process_per_policy(isolate: bool) -> bool:
+    """Whether ``run_bench(..., isolate=isolate)`` runs each policy in a process of its own:
+    as asked, where the platform can fork."""
     from . import worker  # the process protocol; it imports this module
     return isolate and worker.CAN_FORK
 
@@ -292,7 +290,7 @@ def _interrupted(runs: list[Any], settings: BenchSettings, isolate: bool) -> Non
 
 def _start(specs: list[PolicySpec], settings: BenchSettings, isolate: bool,
            stack: contextlib.ExitStack) -> list[Any]:
-    if not _process_per_policy(isolate):
+    if not process_per_policy(isolate):
         return [Guarded(spec, lambda s=spec: PolicyRun(s, settings)) for spec in specs]
     from . import worker
     # A worker that fails to build its model fails start_workers as a whole (a

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
     from ..bench.errors import BenchInterrupted
-    from ..bench.runner import BenchSettings, failed, run_bench
+    from ..bench.runner import BenchSettings, failed, process_per_policy, run_bench
     from ..bench.workloads import get_workload
 
     device = check_device(args.device)
@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     # the plot and the recommendation are about the others; the JSON keeps every row.
     failures = failed(results)
     measured = [r for r in results if "error" not in r]
-    document = _bench_document(measured, settings, workload, isolate, device)
+    document = _bench_document(measured, settings, workload, process_per_policy(isolate),
+                               device)
     document["settings"]["threads_reason"] = threads_reason
     document["machine"] = machine
     if plan is not None:
