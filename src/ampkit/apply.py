@@ -26,7 +26,7 @@ from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from ._declared import warn_declared_fp32
-from .master import MasterWeights, master_of, release_masters
+from .master import ONE_MASTER_RULE, MasterWeights, master_of, release_masters
 from .optim import as_optimizers, stash_of, wrap
 from .policy import Policy, get_policy
 from .scaler import FP16_GRAD_MIN_SCALE, GradScaler
@@ -226,8 +226,8 @@ def check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
             if first != i and master_weights and (not only_half or p.dtype in HALF_DTYPES):
                 raise ValueError(
                     f"a parameter of shape {tuple(p.shape)} is in optimizers[{first}] and "
-                    f"optimizers[{i}]; with master weights each half parameter has one fp32 "
-                    "master that one optimizer steps; valid: each parameter in one optimizer")
+                    f"optimizers[{i}]; {ONE_MASTER_RULE}; valid: each parameter in one "
+                    "optimizer")
 
 
 # --- loss scaling: the policy decides, a GradScaler carries it out -------------------------

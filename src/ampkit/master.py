@@ -40,6 +40,12 @@ MASTER_MARK = "_ampkit_master"
 _REGISTRY: dict[int, tuple[weakref.ref, Tensor, weakref.ref]] = {}
 
 
+# The rule initialize (apply.check_params) and add_param_group (optim) enforce, in their
+# refusals' words: a second master of one weight would undo the first one's updates.
+ONE_MASTER_RULE = ("with master weights each half parameter has one fp32 master that one "
+                   "optimizer steps")
+
+
 def master_of(param: Tensor) -> Optional[Tensor]:
     """The fp32 master of a half model parameter, or None when it has none."""
     entry = _REGISTRY.get(id(param))

@@ -35,7 +35,7 @@ from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
                             optimizer_step_function, register_optimizer_step_pre_hook)
 from ._warn import warn_once
-from .master import MASTER_MARK, MasterWeights, owner_of
+from .master import MASTER_MARK, ONE_MASTER_RULE, MasterWeights, owner_of
 
 ATTR = "_amp_stash"
 
@@ -394,10 +394,9 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
         # Two masters of one weight: each step would copy its own into the model, the
         # later one undoing the other's update (initialize refuses the same).
         raise ValueError(f"a parameter of shape {tuple(taken.shape)} is already stepped by "
-                         "another optimizer through its fp32 master; with master weights each "
-                         "half parameter has one fp32 master that one optimizer steps; valid: "
-                         "parameters of no other optimizer (to move one, build the optimizers "
-                         "anew and pass them to ampkit.initialize again)")
+                         f"another optimizer through its fp32 master; {ONE_MASTER_RULE}; "
+                         "valid: parameters of no other optimizer (to move one, build the "
+                         "optimizers anew and pass them to ampkit.initialize again)")
     stash.inner_add_param_group(dict(group, params=params))
     masters.adopt_param_groups(self.param_groups[-1:])
 
