@@ -617,3 +617,34 @@ def test_checkpoint_context_fn_replays_o1s_region_and_a_disabled_nested_one():
             scaled.backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_checkpoint_context_fn_under_torch_compile_gives_the_eager_gradients(monkeypatch):
+    """torch.compile requires a context_fn to give two dispatch modes: the transformers
+    recipe (gradient_checkpointing_kwargs with checkpoint_context_fn) crashed once the model
+    was compiled. Traced, the recompute is in the graph, where the overrides act."""
+    import torch._functorch.config as functorch_config
+    from torch.utils.checkpoint import checkpoint
+    monkeypatch.setattr(functorch_config, "backward_pass_autocast", "off")  # see the docs
+    ampkit.register_float_function(torch, "cumsum")
+
+    def weight_grad(kwargs, compiled):
+        torch.manual_seed(0)
+        lin = nn.Linear(16, 16)
+        x = torch.randn(8, 16)
+
+        def block(t):
+            return torch.tanh(torch.cumsum(lin(t), 0)).sum(-1)
+
+        def f(t):
+            return block(t) if kwargs is None else checkpoint(block, t, **kwargs)
+        run = torch.compile(f, backend="aot_eager") if compiled else f
+        with autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        out.sum().backward()
+        return lin.weight.grad
+
+    eager = weight_grad(None, compiled=False)
+    compiled = weight_grad(dict(use_reentrant=False, context_fn=ampkit.checkpoint_context_fn),
+                           compiled=True)
+    assert torch.equal(compiled, eager)

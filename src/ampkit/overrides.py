@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ._checks import callable_choices
 from ._dtypes import cast_tree, iter_tensors
@@ -197,11 +198,12 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, _Replay]
     the recompute in backward runs inside the ampkit.autocast regions (and O1's) that were
     open at the forward, so registered overrides and the op decorators cast as they did.
 
-    Without it the recompute runs after the region has closed: the overrides do not act
-    there, and torch refuses the recomputed tensors, whose dtypes differ from the forward's
-    (``CheckpointError``). The reentrant checkpoint has no ``context_fn``; it recomputes
-    without the overrides and its gradients differ. Not needed without overrides: torch
-    restores its own autocast state.
+    Without it the recompute runs after the region has closed, without the overrides:
+    torch refuses it where a saved tensor's dtype differs from the forward's
+    (``CheckpointError``), and otherwise the gradients differ silently, as the reentrant
+    checkpoint's do (it has no ``context_fn``). Not needed without overrides: torch
+    restores its own autocast state. Under torch.compile the recompute is in the compiled
+    graph, where the overrides act; this then gives torch a plain checkpoint's contexts.
 
     Example:
         >>> import torch, ampkit
@@ -216,7 +218,15 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, _Replay]
         >>> y.sum().backward()
         >>> handle.remove()
     """
+    if is_compiling():
+        # Traced, the recompute is part of the compiled graph, where the overrides act as
+        # in the forward; torch takes two dispatch modes here: those of a plain checkpoint.
+        return create_selective_checkpoint_contexts(_recompute)
     return contextlib.nullcontext(), _Replay(_local.frames)
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # --- casting --------------------------------------------------------------------------
