@@ -693,5 +693,34 @@ def test_a_declared_parameter_of_the_model_itself_says_only_the_whole_model_keep
     model.query_tokens = nn.Parameter(torch.zeros(2, 8))
     warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.float16)
     assert len(warned) == 1 and warned[0].endswith(
-        "they belong to the model itself, and keep_fp32 keeps whole modules: only keeping the "
-        "whole model ('') would keep them")
+        "casts 1 of them ('query_tokens', ...) to torch.float16; ['query_tokens'] belongs to "
+        "the model itself, and keep_fp32 keeps whole modules: only keeping the whole model "
+        "('') would keep it")
+
+
+def test_declared_parameters_of_the_model_itself_are_named_beside_the_modules_advised():
+    """Blip-2 declares its qformer and its own query_tokens: the advice kept the qformer
+    and the warning said nothing more of query_tokens, which stayed half."""
+    model = _T5Like()
+    model._keep_in_fp32_modules = ["wo", "query_tokens"]
+    model.query_tokens = nn.Parameter(torch.zeros(2, 8))
+    warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.float16)
+    assert len(warned) == 1 and "pass keep_fp32=['*.wo']" in warned[0]
+    assert warned[0].endswith("; ['query_tokens'] belongs to the model itself, and keep_fp32 "
+                              "keeps whole modules: only keeping the whole model ('') would "
+                              "keep it")
+
+
+def test_both_declarations_and_a_declaring_model_inside_a_wrapper_are_warned_about():
+    """The second list of a model declaring both got no warning (one warn-once key for
+    both), and a transformers model inside a wrapper module none at all."""
+    t5 = _T5Like()
+    t5._keep_in_fp32_modules_strict = ["head"]
+    wrapper = nn.Sequential(collections.OrderedDict(backbone=t5, task=nn.Linear(2, 2)))
+    warned = _declared_warnings(wrapper, opt_level="O2", half_dtype=torch.float16)
+    assert len(warned) == 1
+    assert warned[0].startswith(
+        "ampkit: Sequential's 'backbone' (_T5Like) declares _keep_in_fp32_modules=['wo'] and "
+        "Sequential's 'backbone' (_T5Like) declares _keep_in_fp32_modules_strict=['head']: ")
+    assert "casts 6 of them ('backbone.block.0.wo.weight', ...)" in warned[0]
+    assert "pass keep_fp32=['*.head', '*.wo']" in warned[0]

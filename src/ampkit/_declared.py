@@ -6,7 +6,8 @@ names in fp32 when it loads the model in fp16 (T5's ``wo`` layers overflow there
 those ``_keep_in_fp32_modules_strict`` names in bf16 too (DeepSeek-V3's router bias
 ``e_score_correction_bias``). An entry is whole dotted components of a parameter's or
 buffer's name (``"wo"``, ``"gate.weight"``), as transformers matches it. apex's O2 cast
-them; ampkit casts them too unless asked (``keep_fp32``), and says so.
+them; ampkit casts them too unless asked (``keep_fp32``), and says so. The model may be
+anywhere in what ``initialize`` is given (inside a wrapper with a task head).
 """
 
 from __future__ import annotations
@@ -27,29 +28,38 @@ _DECLARED = (("_keep_in_fp32_modules", (torch.float16,)),
 
 
 def warn_declared_fp32(model: nn.Module, kept: Iterable[str], half: torch.dtype) -> None:
-    """Warn where ``model`` declares parameters fp32 that a policy casting to ``half``
-    would cast, outside the ``kept`` modules; the warning gives the ``keep_fp32`` patterns
-    of the modules holding them."""
+    """Warn where ``model`` (or a model inside it) declares parameters fp32 that a policy
+    casting to ``half`` would cast, outside the ``kept`` modules; the warning gives the
+    ``keep_fp32`` patterns of the modules holding them."""
     inside = {id(m) for name in kept for m in model.get_submodule(name).modules()}
-    for attribute, dtypes in _DECLARED:
-        entries = getattr(model, attribute, None)
-        if half not in dtypes or not isinstance(entries, (list, tuple, set)):
-            continue
-        entries = [e for e in entries if isinstance(e, str) and e]
-        tensors = _declared_tensors(model, entries, inside)
-        if tensors:
-            warn_once(("declared-fp32", type(model).__name__, half),
-                      _message(model, attribute, entries, tensors, half))
+    declarations: list[str] = []
+    tensors: dict[str, str] = {}  # {tensor name: the module holding it}, in model order
+    for prefix, module in model.named_modules():
+        for attribute, dtypes in _DECLARED:
+            entries = getattr(module, attribute, None)
+            if half not in dtypes or not isinstance(entries, (list, tuple, set)):
+                continue
+            entries = [e for e in entries if isinstance(e, str) and e]
+            found = _declared_tensors(module, prefix, entries, inside, model)
+            if found and not found.keys() <= tensors.keys():
+                where = (f"{type(model).__name__}'s {prefix!r} ({type(module).__name__})"
+                         if prefix else type(model).__name__)
+                declarations.append(f"{where} declares {attribute}={entries!r}")
+            tensors.update(found)
+    if tensors:
+        warn_once(("declared-fp32", type(model).__name__, half, tuple(tensors)),
+                  _message(model, declarations, tensors, half))
 
 
-def _declared_tensors(model: nn.Module, entries: list[str],
-                      inside: set[int]) -> dict[str, str]:
-    """{floating parameter or buffer name: the module holding it} for those an entry
-    names, outside the kept modules (each tensor once, under its first name)."""
+def _declared_tensors(module: nn.Module, prefix: str, entries: list[str], inside: set[int],
+                      model: nn.Module) -> dict[str, str]:
+    """{floating parameter or buffer name in ``model``: the module holding it} for those of
+    ``module`` (at ``prefix``) an entry names, outside the kept modules."""
     patterns = [re.compile(rf"(?:^|\.){re.escape(e)}(?=$|\.)") for e in entries]
-    modules = dict(model.named_modules())
+    modules = dict(module.named_modules())
+    lead = f"{prefix}." if prefix else ""
     found: dict[str, str] = {}
-    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
         if not tensor.is_floating_point():
             continue
         owner = name.rpartition(".")[0]
@@ -60,26 +70,31 @@ def _declared_tensors(model: nn.Module, entries: list[str],
             if match is not None:
                 # An entry that ends inside the name names a module ("wo" in
                 # "block.0.wo.weight"): that module; else the tensor's own module.
-                found[name] = owner if match.end() == len(name) else name[:match.end()]
+                holder = owner if match.end() == len(name) else name[:match.end()]
+                found[lead + name] = (lead + holder).rstrip(".")
                 break
     return found
 
 
-def _message(model: nn.Module, attribute: str, entries: list[str], tensors: dict[str, str],
+def _message(model: nn.Module, declarations: list[str], tensors: dict[str, str],
              half: torch.dtype) -> str:
     owners = sorted({m for m in tensors.values() if m})
     top = [m for m in owners if not any(m.startswith(f"{o}.") for o in owners)]
-    head = (f"ampkit: {type(model).__name__} declares {attribute}={entries!r}: transformers "
+    own = [name for name, owner in tensors.items() if not owner]
+    text = (f"ampkit: {' and '.join(declarations)}: transformers "
             f"keeps those fp32 when it loads the model in {half} (they can overflow or lose "
             f"precision there), but this policy casts {len(tensors)} of them "
             f"({next(iter(tensors))!r}, ...) to {half}")
-    if not top:
-        return (head + "; they belong to the model itself, and keep_fp32 keeps whole modules: "
-                "only keeping the whole model ('') would keep them")
-    patterns = _patterns(model, top)
-    return (head + f"; to keep them fp32 (with the rest of the modules holding them), pass "
-            f"keep_fp32={patterns!r} to ampkit.initialize (or call ampkit.keep_fp32(model, "
-            f"{patterns!r}) first)")
+    if top:
+        patterns = _patterns(model, top)
+        text += (f"; to keep them fp32 (with the rest of the modules holding them), pass "
+                 f"keep_fp32={patterns!r} to ampkit.initialize (or call "
+                 f"ampkit.keep_fp32(model, {patterns!r}) first)")
+    if own:
+        text += (f"; {own!r} belong{'s' if len(own) == 1 else ''} to the model itself, and "
+                 "keep_fp32 keeps whole modules: only keeping the whole model ('') would keep "
+                 f"{'it' if len(own) == 1 else 'them'}")
+    return text
 
 
 def _patterns(model: nn.Module, names: list[str]) -> list[str]:
