@@ -43,7 +43,7 @@ from torch import nn
 from .._torch_compat import TORCH_VERSION
 from .._measure import paired_speedup
 from .errors import UsageError
-from .launch import launch_ranks, rank_main, usable_cores
+from .launch import exit_rank, launch_ranks, rank_main, usable_cores
 from .policies import PolicySpec, parse_policy
 from .precision import OptimizerFactory, Precision
 from .compare import compare, max_loss_deviation, no_memory_ratios
@@ -331,4 +331,4 @@ def _fsdp_setup(precision: Precision, model: nn.Module,
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1]))
+    exit_rank(_rank_main(sys.argv[1]))  # no interpreter teardown: see exit_rank

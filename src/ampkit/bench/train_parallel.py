@@ -38,7 +38,7 @@ from torch import nn
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import Dataset, load_data
 from .errors import UsageError
-from .launch import launch_ranks, rank_main
+from .launch import exit_rank, launch_ranks, rank_main
 from .parallel import ParallelPlan
 from .stepcheck import Warn
 from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
@@ -398,4 +398,4 @@ def _first_failure(err: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1]))
+    exit_rank(_rank_main(sys.argv[1]))  # no interpreter teardown: see exit_rank
