@@ -648,3 +648,44 @@ def test_checkpoint_context_fn_under_torch_compile_gives_the_eager_gradients(mon
     compiled = weight_grad(dict(use_reentrant=False, context_fn=ampkit.checkpoint_context_fn),
                            compiled=True)
     assert torch.equal(compiled, eager)
+
+
+def test_a_registration_removed_while_overrides_are_put_in_place_does_not_deadlock():
+    """A finalizer that removes a registration (an object owning it, freed by the garbage
+    collector at any allocation) could run while the region's entry held the overrides'
+    lock in the same thread: the lock was not re-entrant and the process hung."""
+    class Owner:
+        def __init__(self, target):
+            self.handle = ampkit.register_float_function(target, "g")
+
+        def __del__(self):
+            self.handle.remove()
+
+    class Target:
+        def f(self, x):
+            return x
+
+        def g(self, x):
+            return x
+
+        def __setattr__(self, name, value):
+            if name == "f":
+                self.__dict__.pop("owner", None)  # frees the Owner, whose __del__ removes g
+            object.__setattr__(self, name, value)
+
+    target = Target()
+    ampkit.register_float_function(target, "f")
+    object.__setattr__(target, "owner", Owner(target))
+    done = []
+
+    def enter():
+        with autocast("cpu", dtype=torch.bfloat16):
+            done.append(target.f(torch.ones(2, dtype=torch.bfloat16)).dtype)
+
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "entering the region deadlocked"
+    assert done == [torch.float32]
+    assert [(r.module, r.name) for r in overrides.registrations()] == [(target, "f")]
+    assert "g" not in vars(target)  # removed, and not put back by the region's exit

@@ -63,7 +63,9 @@ class _Local(threading.local):
 
 
 _local = _Local()
-_lock = threading.Lock()
+# Re-entrant: the garbage collector may run a finalizer that removes a registration (an
+# object owning one, in a reference cycle) in a thread that holds it already.
+_lock = threading.RLock()
 # One entry per ampkit.autocast region open in the whole process. list.append and
 # list.pop are atomic under the GIL, so entering costs no lock while nothing is
 # registered; with registrations, install/uninstall decisions re-check under _lock.
@@ -131,12 +133,14 @@ def _sync_installed() -> None:
         return
     done: list[Registration] = []
     try:
-        for reg in _registry.values():
-            reg.put_in_place(want)
-            done.append(reg)
+        for reg in list(_registry.values()):  # a finalizer may remove one meanwhile
+            if reg.registered():
+                reg.put_in_place(want)
+                done.append(reg)
     except BaseException:
         for reg in done:  # all or none: never leave some overrides installed
-            reg.put_in_place(not want)
+            if reg.registered():
+                reg.put_in_place(not want)
         raise
     _installed = want
 
@@ -376,10 +380,14 @@ class Registration:
         self.original, self.wrapper = fresh.original, fresh.wrapper
         self.raw, self.installed = fresh.raw, fresh.installed
 
+    def registered(self) -> bool:
+        """Whether this registration is in force (not removed, nor replaced)."""
+        return _registry.get((id(self.module), self.name)) is self
+
     def remove(self) -> None:
         global _installed
         with _lock:
-            if _registry.get((id(self.module), self.name)) is self:
+            if self.registered():
                 del _registry[(id(self.module), self.name)]
                 self.put_in_place(False)
             if not _registry:
