@@ -1334,3 +1334,30 @@ def test_masters_or_bf16_give_no_eps_warning(level, half):
         warnings.simplefilter("always")
         initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
     assert not [w for w in caught if "rounds to 0 in fp16" in str(w.message)]
+
+
+def test_scale_loss_with_an_optimizer_of_a_replaced_initialize_warns():
+    """Two runs in one process each called initialize: the first run's scale_loss silently
+    used the second's loss scalers (apex's one amp state), so the runs shared a scale."""
+    import warnings as _warnings
+    first = _model()
+    opt_a = torch.optim.SGD(first.parameters(), lr=0.1)
+    first, opt_a = initialize(first, opt_a, opt_level="O1", half_dtype=torch.float16,
+                              verbosity=0)
+    second = _model()
+    opt_b = torch.optim.SGD(second.parameters(), lr=0.1)
+    second, opt_b = initialize(second, opt_b, opt_level="O1", half_dtype=torch.float16,
+                               verbosity=0)
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        with scale_loss(second(torch.randn(2, 8)).float().sum(), opt_b) as scaled:
+            scaled.backward()
+        assert not record  # the active initialize's own optimizer
+        with scale_loss(first(torch.randn(2, 8)).float().sum(), opt_a) as scaled:
+            scaled.backward()
+    assert [str(w.message) for w in record] == [
+        "ampkit.scale_loss: optimizers[0] (SGD) was prepared by an earlier ampkit.initialize, "
+        "and a later initialize of other models replaced its amp state: this scale_loss uses "
+        "the later one's loss scalers and settings (one amp state per process, as in apex), so "
+        "the two runs share a loss scale; valid: one initialize for every model and optimizer "
+        "(lists of each, num_losses=N for N losses)"]

@@ -78,12 +78,16 @@ class Plan:
         ``initialize``, it replaces the active state whole (an earlier one's scalers).
         """
         policy = self.policy
-        _state.set_active(_state.ActiveAmp(self.device_type, policy.half_dtype, policy=policy,
-                                           scalers=self.scalers, log_level=log_level,
-                                           scaling=policy.loss_scaling.kind != "none",
-                                           fixed_unskipped=([] if policy.dynamic_loss_scale
-                                                            else [0] * len(self.scalers))))
-        return self.apply()
+        active = _state.ActiveAmp(self.device_type, policy.half_dtype, policy=policy,
+                                  scalers=self.scalers, log_level=log_level,
+                                  scaling=policy.loss_scaling.kind != "none",
+                                  fixed_unskipped=([] if policy.dynamic_loss_scale
+                                                   else [0] * len(self.scalers)))
+        _state.set_active(active)
+        self.apply()
+        for optimizer in self.optimizers:
+            stash_of(optimizer).prepared_by = active  # scale_loss tells a replaced one
+        return self
 
 
 def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[OptimizerArg] = None,

@@ -66,6 +66,9 @@ class AmpStash:
     # In a run of several processes: (window, scale) of the last scale_loss exit that left
     # grads scaled on the params (frontend.overflow.Window; the scale tensor they carry).
     scaled_in: Any = None
+    # The active amp state (_state.ActiveAmp) of the initialize that prepared it last: a
+    # later initialize of other models replaces that state, and with it the loss scalers.
+    prepared_by: Any = None
 
 
 def inner_optimizer(value: Any) -> Optional[torch.optim.Optimizer]:

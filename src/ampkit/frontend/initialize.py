@@ -36,7 +36,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     """Prepare models and optimizers for an opt level, as ``apex.amp.initialize`` did.
 
     Everything is validated before any model or optimizer changes. A later call replaces
-    this one's settings and loss scalers; a model passed again loses this call's casts and hooks.
+    this one's settings and loss scalers (scale_loss with this call's optimizers then
+    warns); a model passed again loses this call's casts and hooks.
 
     Args:
         models: a module or a list of modules (not yet wrapped in DDP/DataParallel).

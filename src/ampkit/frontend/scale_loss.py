@@ -14,6 +14,7 @@ from .. import _state
 from .._checks import check_bool
 from .._torch_compat import foreach_add_, foreach_mul_
 from ..apply import OptimizerArg
+from .._warn import warn_once
 from ..optim import ORPHAN_MESSAGE, AmpStash, as_optimizers, is_orphan, own_params, stash_of
 from ..scaler import GradScaler, unscale_grads_
 from .overflow import Window, or_flag, report_overflows, update, window_for
@@ -413,6 +414,14 @@ def require_initialized() -> _state.ActiveAmp:
     return amp
 
 
+REPLACED = (
+    "ampkit.scale_loss: optimizers[{i}] ({name}) was prepared by an earlier ampkit.initialize, "
+    "and a later initialize of other models replaced its amp state: this scale_loss uses the "
+    "later one's loss scalers and settings (one amp state per process, as in apex), so the "
+    "two runs share a loss scale; valid: one initialize for every model and optimizer (lists "
+    "of each, num_losses=N for N losses)")
+
+
 def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.ActiveAmp
                       ) -> tuple[list[torch.optim.Optimizer], list[AmpStash]]:
     """The optimizers as a list, and their stashes; raises on a bad argument."""
@@ -431,6 +440,9 @@ def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.Acti
                                    + ORPHAN_MESSAGE.format(name=type(opt).__name__))
             raise RuntimeError(f"optimizers[{i}] ({type(opt).__name__}) was not passed through "
                                "ampkit.initialize; valid: the optimizer(s) initialize returned")
+        if stash.prepared_by is not amp and stash.prepared_by is not None:
+            warn_once(("scale_loss-replaced", id(stash.prepared_by)), REPLACED.format(
+                i=i, name=type(opt).__name__))
     count = len(amp.scalers)
     # A plain int is checked without the ABC check's calls (bool's class is not int).
     integral = loss_id.__class__ is int or (not isinstance(loss_id, bool)
