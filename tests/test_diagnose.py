@@ -7,6 +7,7 @@ to zero in fp16 (smallest subnormal 6e-8) and not in bf16.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -808,3 +809,33 @@ def test_watches_closed_out_of_order_leave_compiled_code_compiling():
     assert g(torch.ones(1)).item() == 2  # b still open: eager
     b.__exit__(None, None, None)
     assert g(torch.ones(1)).item() == 3
+
+
+def test_watch_of_a_model_run_by_several_threads_finds_the_first_nonfinite_module():
+    """The hooks fire in every thread running the model (DataParallel's replicas share
+    them): flags and their module codes were appended apart and folded by any thread, so
+    the exit raised IndexError or named the wrong module."""
+    import threading
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x * float("inf") if x.shape[0] == 1 else x
+
+    model = nn.Sequential(collections.OrderedDict(
+        first=nn.Linear(8, 8), bad=Bad(), last=nn.Linear(8, 2)))
+    start = threading.Barrier(4)
+
+    def work():
+        start.wait()
+        for _ in range(40):
+            model(torch.randn(4, 8))
+
+    with torch.no_grad(), watch(model) as w:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        model(torch.randn(1, 8))  # the one non-finite output, after all the others
+    assert w.first_nonfinite == ("forward", "bad")
+    assert w.nonfinite() == [("forward", "bad"), ("forward", "last"), ("forward", "")]

@@ -18,6 +18,7 @@ attributed to the innermost module that took it.
 from __future__ import annotations
 
 import functools
+import threading
 from array import array
 from typing import Any, Optional
 
@@ -61,6 +62,9 @@ class _Flags:
         self._pending: list[Tensor] = []
         self._folded: list[Tensor] = []
         self.codes = array("i")  # module index * 2 + phase index, one per pending value
+        # Hooks fire in whichever thread runs the model (DataParallel's replicas share
+        # them): the flags and their codes change together, and fold, under this lock.
+        self._lock = threading.Lock()
 
     def record(self, code: int, tensor: Tensor) -> None:
         if tensor.dtype not in _CHECKED:
@@ -74,12 +78,14 @@ class _Flags:
         # is (NaN propagates, +inf shows in the max, -inf in the min). The inf-norm is one
         # kernel too but ~20x slower on CPU; a sum can overflow from finite values.
         low, high = torch.aminmax(tensor)
-        self._pending += (low, high)
-        self.codes.extend((code, code))
-        if len(self._pending) >= _FOLD:
-            self._fold()
+        with self._lock:
+            self._pending += (low, high)
+            self.codes.extend((code, code))
+            if len(self._pending) >= _FOLD:
+                self._fold()
 
     def _fold(self) -> None:
+        """Under the lock: the pending flags into one folded tensor."""
         if self._pending:
             # Outside any autocast region: under the caller's bf16 region, stack (an op
             # autocast promotes) refuses an fp16 flag; outside, mixed dtypes promote (a
@@ -90,11 +96,12 @@ class _Flags:
 
     def finite(self) -> Optional[Tensor]:
         """One bool per event (True: finite), still on the device; None without events."""
-        self._fold()
-        if not self._folded:
-            return None
-        self._folded = [torch.cat(self._folded)]
-        return self._folded[0]
+        with self._lock:
+            self._fold()
+            if not self._folded:
+                return None
+            self._folded = [torch.cat(self._folded)]
+            return self._folded[0]
 
 
 class Watch:
