@@ -163,6 +163,17 @@ def _compiled_modules() -> None:
     _check("compiled_code_eager", g(torch.ones(1)).item() == 3, "not compiled again after")
 
 
+def _fake_tracing() -> None:
+    """False in eager code; True where a fake tensor mode is active (torch.compile's AOT
+    stage traces under one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _check("tracing_with_fake_tensors", tc.tracing_with_fake_tensors() is False, "True in eager")
+    with FakeTensorMode():
+        inside = tc.tracing_with_fake_tensors()
+    _check("tracing_with_fake_tensors", inside is True, "False under a FakeTensorMode")
+
+
 def _graph_break() -> None:
     """Two graphs around the break, and the eager code between them runs once per call."""
     graphs, between = [], []
@@ -603,6 +614,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
     "uncompiled": _compiled_modules, "compiled_code_eager": _compiled_modules,
+    "tracing_with_fake_tensors": _fake_tracing,
     "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,

@@ -51,7 +51,7 @@ __all__ = [
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
     "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
-    "unsafe_view", "uncompiled", "compiled_code_eager",
+    "unsafe_view", "uncompiled", "compiled_code_eager", "tracing_with_fake_tensors",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
     "op_mutates",
@@ -275,6 +275,15 @@ def import_dynamo() -> None:
     imports it (seconds) through torch's disable-dynamo decorator: bench workers forked
     after this share the import."""
     importlib.import_module("torch._dynamo")
+
+
+def tracing_with_fake_tensors() -> bool:
+    """Whether torch.compile's AOT stage is tracing here (a fake tensor mode is active):
+    where torch calls a checkpoint's ``context_fn`` again, with ``is_compiling()`` False on
+    torch 2.11. ``torch._guards.detect_fake_mode``, since 2.1."""
+    guards = sys.modules.get("torch._guards")
+    detect = getattr(guards, "detect_fake_mode", None)
+    return detect is not None and detect() is not None
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

@@ -37,7 +37,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ._checks import callable_choices
 from ._dtypes import cast_tree, iter_tensors
-from ._torch_compat import get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling
+from ._torch_compat import (get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling,
+                            tracing_with_fake_tensors)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -222,7 +223,7 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, _Replay]
         >>> y.sum().backward()
         >>> handle.remove()
     """
-    if is_compiling():
+    if is_compiling() or tracing_with_fake_tensors():
         # Traced, the recompute is part of the compiled graph, where the overrides act as
         # in the forward; torch takes two dispatch modes here: those of a plain checkpoint.
         return create_selective_checkpoint_contexts(_recompute)
