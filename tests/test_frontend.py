@@ -1357,7 +1357,15 @@ def test_scale_loss_with_an_optimizer_of_a_replaced_initialize_warns():
             scaled.backward()
     assert [str(w.message) for w in record] == [
         "ampkit.scale_loss: optimizers[0] (SGD) was prepared by an earlier ampkit.initialize, "
-        "and a later initialize of other models replaced its amp state: this scale_loss uses "
-        "the later one's loss scalers and settings (one amp state per process, as in apex), so "
-        "the two runs share a loss scale; valid: one initialize for every model and optimizer "
-        "(lists of each, num_losses=N for N losses)"]
+        "and a later initialize of other models (or TuneResult.apply) replaced its amp state: "
+        "this scale_loss uses the later one's loss scalers and settings (one amp state per "
+        "process, as in apex), so the two runs share a loss scale; valid: one initialize for "
+        "every model and optimizer (lists of each, num_losses=N for N losses)"]
+    initialize(_model(seed=1), opt_level="O1", enabled=False)  # no scaling at all now
+    from ampkit import _warn
+    _warn.forget()
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        with scale_loss(first(torch.randn(2, 8)).float().sum(), opt_a) as scaled:
+            scaled.backward()
+    assert len(record) == 1 and "was prepared by an earlier" in str(record[0].message)

@@ -694,8 +694,8 @@ def test_a_declared_parameter_of_the_model_itself_says_only_the_whole_model_keep
     warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.float16)
     assert len(warned) == 1 and warned[0].endswith(
         "casts 1 of them ('query_tokens', ...) to torch.float16; ['query_tokens'] belongs to "
-        "the model itself, and keep_fp32 keeps whole modules: only keeping the whole model "
-        "('') would keep it")
+        "the declaring model itself, and keep_fp32 keeps whole modules: only keeping the whole "
+        "model ('') would keep it")
 
 
 def test_declared_parameters_of_the_model_itself_are_named_beside_the_modules_advised():
@@ -706,9 +706,17 @@ def test_declared_parameters_of_the_model_itself_are_named_beside_the_modules_ad
     model.query_tokens = nn.Parameter(torch.zeros(2, 8))
     warned = _declared_warnings(model, opt_level="O2", half_dtype=torch.float16)
     assert len(warned) == 1 and "pass keep_fp32=['*.wo']" in warned[0]
-    assert warned[0].endswith("; ['query_tokens'] belongs to the model itself, and keep_fp32 "
-                              "keeps whole modules: only keeping the whole model ('') would "
-                              "keep it")
+    assert warned[0].endswith("; ['query_tokens'] belongs to the declaring model itself, and "
+                              "keep_fp32 keeps whole modules: only keeping the whole model "
+                              "('') would keep it")
+    wrapper = nn.Sequential(collections.OrderedDict(backbone=model))  # the review's case
+    model._keep_in_fp32_modules = {"query_tokens", "wo"}  # a set, as transformers makes it
+    warned = _declared_warnings(wrapper, opt_level="O2", half_dtype=torch.float16)
+    assert "declares _keep_in_fp32_modules=['query_tokens', 'wo']" in warned[0]
+    assert "pass keep_fp32=['*.wo']" in warned[0]
+    assert warned[0].endswith("['backbone.query_tokens'] belongs to the declaring model itself, "
+                              "and keep_fp32 keeps whole modules: only keeping the whole of "
+                              "'backbone' would keep it")
 
 
 def test_both_declarations_and_a_declaring_model_inside_a_wrapper_are_warned_about():

@@ -163,15 +163,19 @@ def _compiled_modules() -> None:
     _check("compiled_code_eager", g(torch.ones(1)).item() == 3, "not compiled again after")
 
 
-def _fake_tracing() -> None:
-    """False in eager code; True where a fake tensor mode is active (torch.compile's AOT
-    stage traces under one)."""
+def _compile_tracing() -> None:
+    """False in eager code, also under a user's own FakeTensorMode; True where a tracing
+    context is set (torch.compile's stages, its AOT one included)."""
+    from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    _check("tracing_with_fake_tensors", tc.tracing_with_fake_tensors() is False, "True in eager")
-    with FakeTensorMode():
-        inside = tc.tracing_with_fake_tensors()
-    _check("tracing_with_fake_tensors", inside is True, "False under a FakeTensorMode")
+    _check("compile_tracing", tc.compile_tracing() is False, "True in eager")
+    fake = FakeTensorMode()
+    with fake:
+        _check("compile_tracing", tc.compile_tracing() is False, "True under a FakeTensorMode")
+    with tracing(TracingContext(fake)):
+        inside = tc.compile_tracing()
+    _check("compile_tracing", inside is True, "False under a tracing context")
 
 
 def _graph_break() -> None:
@@ -614,7 +618,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
     "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
     "uncompiled": _compiled_modules, "compiled_code_eager": _compiled_modules,
-    "tracing_with_fake_tensors": _fake_tracing,
+    "compile_tracing": _compile_tracing,
     "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -33,13 +33,15 @@ def warn_declared_fp32(model: nn.Module, kept: Iterable[str], half: torch.dtype)
     ``keep_fp32`` patterns of the modules holding them."""
     inside = {id(m) for name in kept for m in model.get_submodule(name).modules()}
     declarations: list[str] = []
-    tensors: dict[str, str] = {}  # {tensor name: the module holding it}, in model order
+    # {tensor name: (the module holding it, or None for the declaring model's own; that
+    # declaring model)}, in model order
+    tensors: dict[str, tuple[Optional[str], str]] = {}
     for prefix, module in model.named_modules():
         for attribute, dtypes in _DECLARED:
             entries = getattr(module, attribute, None)
             if half not in dtypes or not isinstance(entries, (list, tuple, set)):
                 continue
-            entries = [e for e in entries if isinstance(e, str) and e]
+            entries = sorted(e for e in entries if isinstance(e, str) and e)  # a set, too
             found = _declared_tensors(module, prefix, entries, inside, model)
             if found and not found.keys() <= tensors.keys():
                 where = (f"{type(model).__name__}'s {prefix!r} ({type(module).__name__})"
@@ -52,9 +54,10 @@ def warn_declared_fp32(model: nn.Module, kept: Iterable[str], half: torch.dtype)
 
 
 def _declared_tensors(module: nn.Module, prefix: str, entries: list[str], inside: set[int],
-                      model: nn.Module) -> dict[str, str]:
-    """{floating parameter or buffer name in ``model``: the module holding it} for those of
-    ``module`` (at ``prefix``) an entry names, outside the kept modules."""
+                      model: nn.Module) -> dict[str, tuple[Optional[str], str]]:
+    """{floating parameter or buffer name in ``model``: (the module holding it, None where
+    that is ``module`` itself; ``prefix``)} for those of ``module`` (at ``prefix``) an
+    entry names, outside the kept modules."""
     patterns = [re.compile(rf"(?:^|\.){re.escape(e)}(?=$|\.)") for e in entries]
     modules = dict(module.named_modules())
     lead = f"{prefix}." if prefix else ""
@@ -71,16 +74,17 @@ def _declared_tensors(module: nn.Module, prefix: str, entries: list[str], inside
                 # An entry that ends inside the name names a module ("wo" in
                 # "block.0.wo.weight"): that module; else the tensor's own module.
                 holder = owner if match.end() == len(name) else name[:match.end()]
-                found[lead + name] = (lead + holder).rstrip(".")
+                found[lead + name] = (lead + holder if holder else None, prefix)
                 break
     return found
 
 
-def _message(model: nn.Module, declarations: list[str], tensors: dict[str, str],
-             half: torch.dtype) -> str:
-    owners = sorted({m for m in tensors.values() if m})
+def _message(model: nn.Module, declarations: list[str],
+             tensors: dict[str, tuple[Optional[str], str]], half: torch.dtype) -> str:
+    owners = sorted({m for m, _ in tensors.values() if m is not None})
     top = [m for m in owners if not any(m.startswith(f"{o}.") for o in owners)]
-    own = [name for name, owner in tensors.items() if not owner]
+    own = [name for name, (owner, _) in tensors.items() if owner is None]
+    declaring = sorted({prefix for owner, prefix in tensors.values() if owner is None})
     text = (f"ampkit: {' and '.join(declarations)}: transformers "
             f"keeps those fp32 when it loads the model in {half} (they can overflow or lose "
             f"precision there), but this policy casts {len(tensors)} of them "
@@ -91,8 +95,10 @@ def _message(model: nn.Module, declarations: list[str], tensors: dict[str, str],
                  f"keep_fp32={patterns!r} to ampkit.initialize (or call "
                  f"ampkit.keep_fp32(model, {patterns!r}) first)")
     if own:
-        text += (f"; {own!r} belong{'s' if len(own) == 1 else ''} to the model itself, and "
-                 "keep_fp32 keeps whole modules: only keeping the whole model ('') would keep "
+        whole = ("the whole model ('')" if declaring == [""] else
+                 f"the whole of {', '.join(repr(p) for p in declaring)}")
+        text += (f"; {own!r} belong{'s' if len(own) == 1 else ''} to the declaring model "
+                 f"itself, and keep_fp32 keeps whole modules: only keeping {whole} would keep "
                  f"{'it' if len(own) == 1 else 'them'}")
     return text
 

@@ -51,7 +51,7 @@ __all__ = [
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
     "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
-    "unsafe_view", "uncompiled", "compiled_code_eager", "tracing_with_fake_tensors",
+    "unsafe_view", "uncompiled", "compiled_code_eager", "compile_tracing",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
     "op_mutates",
@@ -277,13 +277,14 @@ def import_dynamo() -> None:
     importlib.import_module("torch._dynamo")
 
 
-def tracing_with_fake_tensors() -> bool:
-    """Whether torch.compile's AOT stage is tracing here (a fake tensor mode is active):
-    where torch calls a checkpoint's ``context_fn`` again, with ``is_compiling()`` False on
-    torch 2.11. ``torch._guards.detect_fake_mode``, since 2.1."""
+def compile_tracing() -> bool:
+    """Whether torch.compile is tracing here, its AOT stage included (a tracing context is
+    set), where torch calls a checkpoint's ``context_fn`` again with ``is_compiling()``
+    False on torch 2.11; not a user's own FakeTensorMode in eager code.
+    ``torch._guards.TracingContext.try_get``, since 2.1."""
     guards = sys.modules.get("torch._guards")
-    detect = getattr(guards, "detect_fake_mode", None)
-    return detect is not None and detect() is not None
+    context = getattr(guards, "TracingContext", None)
+    return context is not None and context.try_get() is not None
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

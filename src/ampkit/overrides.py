@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ._checks import callable_choices
 from ._dtypes import cast_tree, iter_tensors
 from ._torch_compat import (get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling,
-                            tracing_with_fake_tensors)
+                            compile_tracing)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -137,13 +137,16 @@ def _sync_installed() -> None:
         for reg in list(_registry.values()):  # a finalizer may remove one meanwhile
             if reg.registered():
                 reg.put_in_place(want)
-                done.append(reg)
+                if reg.registered():
+                    done.append(reg)
+                else:  # removed while it was being put in place: put back what it found
+                    reg.put_in_place(False)
     except BaseException:
         for reg in done:  # all or none: never leave some overrides installed
             if reg.registered():
                 reg.put_in_place(not want)
         raise
-    _installed = want
+    _installed = want and bool(_registry)
 
 
 def active_frame(device_type: Optional[str] = None) -> Optional[_Frame]:
@@ -223,7 +226,7 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, _Replay]
         >>> y.sum().backward()
         >>> handle.remove()
     """
-    if is_compiling() or tracing_with_fake_tensors():
+    if is_compiling() or compile_tracing():
         # Traced, the recompute is part of the compiled graph, where the overrides act as
         # in the forward; torch takes two dispatch modes here: those of a plain checkpoint.
         return create_selective_checkpoint_contexts(_recompute)

@@ -84,6 +84,8 @@ class _ScaleLoss:
         self.loss = None  # neither the loss nor its graph outlives the body through this object
         self.held = None
         if not amp.enabled:
+            if isinstance(self.optimizers, torch.optim.Optimizer):
+                _warn_if_replaced(0, self.optimizers, stash_of(self.optimizers), amp)
             return loss
         self.opts, self.stashes = _check_scale_loss(loss, self.optimizers, loss_id, amp)
         if amp.overflow_notes:
@@ -416,10 +418,16 @@ def require_initialized() -> _state.ActiveAmp:
 
 REPLACED = (
     "ampkit.scale_loss: optimizers[{i}] ({name}) was prepared by an earlier ampkit.initialize, "
-    "and a later initialize of other models replaced its amp state: this scale_loss uses the "
-    "later one's loss scalers and settings (one amp state per process, as in apex), so the "
-    "two runs share a loss scale; valid: one initialize for every model and optimizer (lists "
-    "of each, num_losses=N for N losses)")
+    "and a later initialize of other models (or TuneResult.apply) replaced its amp state: "
+    "this scale_loss uses the later one's loss scalers and settings (one amp state per "
+    "process, as in apex), so the two runs share a loss scale; valid: one initialize for "
+    "every model and optimizer (lists of each, num_losses=N for N losses)")
+
+
+def _warn_if_replaced(i: int, opt: Any, stash: Optional[AmpStash], amp: Any) -> None:
+    if stash is not None and stash.prepared_by is not amp and stash.prepared_by is not None:
+        warn_once(("scale_loss-replaced", id(stash.prepared_by)),
+                  REPLACED.format(i=i, name=type(opt).__name__))
 
 
 def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.ActiveAmp
@@ -440,9 +448,7 @@ def _check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.Acti
                                    + ORPHAN_MESSAGE.format(name=type(opt).__name__))
             raise RuntimeError(f"optimizers[{i}] ({type(opt).__name__}) was not passed through "
                                "ampkit.initialize; valid: the optimizer(s) initialize returned")
-        if stash.prepared_by is not amp and stash.prepared_by is not None:
-            warn_once(("scale_loss-replaced", id(stash.prepared_by)), REPLACED.format(
-                i=i, name=type(opt).__name__))
+        _warn_if_replaced(i, opt, stash, amp)
     count = len(amp.scalers)
     # A plain int is checked without the ABC check's calls (bool's class is not int).
     integral = loss_id.__class__ is int or (not isinstance(loss_id, bool)
