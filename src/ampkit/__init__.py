@@ -30,8 +30,8 @@ from .scaler import GradScaler, ScalerStats
 
 # Torch-style: autocast and op overrides
 from .autocast import autocast
+from .checkpointing import checkpoint_context_fn
 from .overrides import (
-    checkpoint_context_fn,
     disable_casts,
     float_function,
     half_function,

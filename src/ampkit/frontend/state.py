@@ -12,7 +12,7 @@ from .. import _state
 from .._checks import INT32_MAX, check_int, check_positive
 from ..optim import inner_optimizer
 from ..scaler import GradScaler
-from .scale_loss import require_initialized
+from .scale_loss_args import require_initialized
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     """The parameters the optimizer steps: the fp32 masters under O2, else the params.
