@@ -28,12 +28,19 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
-def check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
-    """An int (not a bool) >= ``low`` (and <= ``high``)."""
+def int_range(name: str, value: Any, low: int, high: Optional[int] = None) -> Optional[str]:
+    """The valid range's words (">= 1", "in [0, 7]") when ``value`` is an int outside it,
+    None when inside; TypeError naming the range for a non-int (a bool included)."""
     valid = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int {valid}, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
+    return valid if value < low or (high is not None and value > high) else None
+
+
+def check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    """An int (not a bool) >= ``low`` (and <= ``high``)."""
+    valid = int_range(name, value, low, high)
+    if valid is not None:
         raise ValueError(f"{name} must be an int {valid}, got {value!r}")
     return int(value)
 

@@ -42,7 +42,7 @@ def warn_declared_fp32(model: nn.Module, kept: Iterable[str], half: torch.dtype)
             if half not in dtypes or not isinstance(entries, (list, tuple, set)):
                 continue
             entries = sorted(e for e in entries if isinstance(e, str) and e)  # a set, too
-            found = _declared_tensors(module, prefix, entries, inside, model)
+            found = _declared_tensors(module, prefix, entries, inside)
             if found and not found.keys() <= tensors.keys():
                 where = (f"{type(model).__name__}'s {prefix!r} ({type(module).__name__})"
                          if prefix else type(model).__name__)
@@ -53,9 +53,9 @@ def warn_declared_fp32(model: nn.Module, kept: Iterable[str], half: torch.dtype)
                   _message(model, declarations, tensors, half))
 
 
-def _declared_tensors(module: nn.Module, prefix: str, entries: list[str], inside: set[int],
-                      model: nn.Module) -> dict[str, tuple[Optional[str], str]]:
-    """{floating parameter or buffer name in ``model``: (the module holding it, None where
+def _declared_tensors(module: nn.Module, prefix: str, entries: list[str], inside: set[int]
+                      ) -> dict[str, tuple[Optional[str], str]]:
+    """{floating parameter or buffer name in the model: (the module holding it, None where
     that is ``module`` itself; ``prefix``)} for those of ``module`` (at ``prefix``) an
     entry names, outside the kept modules."""
     patterns = [re.compile(rf"(?:^|\.){re.escape(e)}(?=$|\.)") for e in entries]

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._checks import int_range
 from ._dtypes import check_device_type
 from ._state import inferred_device_type
 
@@ -61,10 +62,9 @@ def _in_range(name: str, value: Any, low: float, high: float, *,
 
 
 def _count(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
-    valid = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int {valid}, got {type(value).__name__} {value!r}")
-    if value < low or (high is not None and value > high):
+    """check_int's rule, in torch's GradScaler words for an out-of-range value."""
+    valid = int_range(name, value, low, high)
+    if valid is not None:
         raise _ArgumentError(f"{name}={value!r} is out of range; valid range: integers {valid}")
     return int(value)
 

@@ -82,9 +82,10 @@ class _ScaleLoss:
         loss, loss_id = self.loss, self.loss_id
         self.loss = None  # neither the loss nor its graph outlives the body through this object
         self.held = None
-        if not amp.enabled:
-            if isinstance(self.optimizers, torch.optim.Optimizer):
-                warn_if_replaced(0, self.optimizers, stash_of(self.optimizers), amp)
+        if not amp.enabled:  # a pass-through: nothing checked, but a replaced one told
+            given = self.optimizers
+            for i, opt in enumerate(given if isinstance(given, (list, tuple)) else [given]):
+                warn_if_replaced(i, opt, stash_of(opt), amp)
             return loss
         self.opts, self.stashes = check_scale_loss(loss, self.optimizers, loss_id, amp)
         if amp.overflow_notes:
