@@ -190,6 +190,31 @@ def test_kept_fp32_modules_and_batch_norm_are_fp32_groups(one_rank):
     assert seen == {"blocks.0.ln": (F32, F32), "blocks.0.fc": (F16, F16)}
 
 
+class _Frequencies(nn.Module):
+    """A buffer table: fp32 rotary frequencies times positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16.0),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.arange(1, 9).repeat(2)[None].float().mul(self.inv_freq.repeat(2)).cos()
+
+
+@pytest.mark.parametrize("policy", ["O3", "16-true"])
+def test_a_pure_half_shard_keeps_buffer_tables_fp32_as_initialize_does(one_rank, policy):
+    model = Net()
+    model.blocks[0].fc = nn.Sequential(_Frequencies(), nn.Linear(16, 16))
+    freqs = model.blocks[0].fc[0].inv_freq.clone()
+    shard(model, policy)
+    table = model.blocks[0].fc[0]
+    assert table.inv_freq.dtype == F32 and torch.equal(table.inv_freq, freqs)
+    assert ampkit.keep.kept_names(model) == ["blocks.0.fc.0"]
+    seen = _dtypes_in_forward(model, ["blocks.0.fc.1"])
+    assert model(torch.randn(2, 8)).dtype == F16 and seen == {"blocks.0.fc.1": (F16, F16)}
+
+
 def _unchanged(model: nn.Module, before: dict) -> bool:
     after = model.state_dict()
     return (type(model) is Net and not is_sharded(model) and before.keys() == after.keys()

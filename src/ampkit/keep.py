@@ -26,6 +26,7 @@ and every dynamo traces torch's own class in a with statement.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -105,7 +106,7 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
     Newly selected modules must still be fp32 throughout (their children too), and the
     root cannot join once a conversion runs the whole forward in its casts or autocast
     region. A module that initialize kept fp32 inside a half model cannot leave the
-    selection: its fp32 parameters would get half inputs.
+    selection: its fp32 parameters (a buffer table's buffers) would get half inputs.
     """
     added = [n for n in after if n not in before]
     check_not_fp8(model, added)
@@ -129,11 +130,16 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
         module = model.get_submodule(name)
         if any(module is sub for outer in covered for sub in outer.modules()):
             continue
-        if any(p.is_floating_point() and p.dtype not in HALF_DTYPES for p in module.parameters()):
+        fp32 = [kind for kind, tensors in (("parameters", module.parameters()),
+                                           ("buffers", module.buffers()))
+                if any(t.is_floating_point() and t.dtype not in HALF_DTYPES for t in tensors)]
+        if fp32:
+            why = ("initialize ran while it was selected" if fp32[0] == "parameters" else
+                   "a buffer table, which initialize keeps")
             raise ValueError(
-                f"keep_fp32: module {name!r} keeps fp32 parameters in a half model (initialize "
-                "ran while it was selected), so it cannot leave the selection: it would get "
-                f"half inputs; valid: a selection that still holds it, e.g. {sorted(set(after) | {name})}")
+                f"keep_fp32: module {name!r} keeps fp32 {fp32[0]} in a half model ({why}), "
+                "so it cannot leave the selection: it would get half inputs; valid: a "
+                f"selection that still holds it, e.g. {sorted(set(after) | {name})}")
 
 
 def check_not_fp8(model: nn.Module, names: Iterable[str], caller: str = "keep_fp32") -> None:
@@ -424,9 +430,9 @@ def _runs_fp32(module: nn.Module) -> bool:
     """Whether a kept module's region applies: its floating parameters are fp32 (or it has
     none). Cast since keep_fp32 (``model.to(dtype)``, ``.half()``, ``.double()``, the last
     thing the user asked for), it runs as it would without keep_fp32; ``.float()`` makes
-    it kept again. Its first floating parameter decides: those casts and ``initialize``
-    cast all of them."""
-    for param in module.parameters():
-        if param.is_floating_point():
-            return param.dtype == torch.float32
+    it kept again. Its first floating parameter decides (those casts and ``initialize``
+    cast all of them); without one, its first floating buffer (a buffer table)."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype == torch.float32
     return True
