@@ -563,3 +563,62 @@ def test_a_load_that_raises_midway_leaves_the_masters_with_the_parameters():
     opt.step()
     assert torch.equal(model.pos, torch.full((4, 8), 0.5, dtype=torch.float16))
     assert torch.equal(master_of(model.pos), torch.full((4, 8), 0.5))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_head_added_after_initialize_saves_and_loads_fp32(level):
+    """The state-dict hooks were installed once, on the modules initialize saw: a half head
+    added since saved its half values, and under O2 a load never reached the master
+    add_param_group gave it, so the next step wrote the old value back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    head = nn.Linear(4, 3).to(torch.bfloat16)
+    model.append(head)
+    opt.add_param_group({"params": head.parameters()})
+    state = model.state_dict()
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    if level == "O2":
+        assert torch.equal(state["2.weight"], master_of(head.weight))
+    state["2.weight"] = torch.full((3, 4), 0.3)  # not a bf16 value
+    model.load_state_dict(state)
+    model(torch.randn(2, 4)).float().sum().backward()
+    opt.step()
+    expected = torch.full((3, 4), 0.3)
+    assert torch.equal(head.weight, expected.to(torch.bfloat16))
+    assert torch.equal(model.state_dict()["2.weight"],
+                       expected if level == "O2" else expected.to(torch.bfloat16).float())
+
+
+def test_a_parametrization_added_after_o2_saves_its_master():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    weight = model[0].weight
+    nn.utils.parametrizations.spectral_norm(model[0])  # moves the parameter, same object
+    assert model[0].parametrizations.weight.original is weight
+    with torch.no_grad():
+        master_of(weight).add_(1e-3)  # a value bf16 cannot hold
+    state = model.state_dict()
+    assert torch.equal(state["0.parametrizations.weight.original"], master_of(weight))
+    assert state["0.parametrizations.weight.original"].dtype == torch.float32
+
+
+def test_hooks_for_added_modules_survive_pickling_and_a_second_initialize_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    model.append(nn.Linear(4, 4).to(torch.bfloat16))
+    model.state_dict()
+    count = _hook_count(model)
+    copy = pickle.loads(pickle.dumps(model))
+    copy.state_dict()
+    copy.load_state_dict(copy.state_dict())
+    assert _hook_count(copy) == count  # the copy's modules are marked as hooked already
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, opt2, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    model.state_dict()
+    assert _hook_count(model) == count

@@ -468,7 +468,11 @@ def _state_dict_hooks() -> None:
     def after(module, incompatible_keys):
         seen.append(("after", module, list(incompatible_keys.missing_keys)))
 
-    handles = [tc.register_state_dict_post_hook(model, post),
+    def before(module, prefix, keep_vars):
+        seen.append(("before", module, prefix, keep_vars))
+
+    handles = [tc.register_state_dict_pre_hook(model, before),
+               tc.register_state_dict_post_hook(model, post),
                tc.register_load_state_dict_pre_hook(model, pre),
                tc.register_load_state_dict_post_hook(model, after)]
     saved = model.state_dict()
@@ -479,6 +483,9 @@ def _state_dict_hooks() -> None:
     _check("register_load_state_dict_post_hook", seen[-1] == ("after", model, []),
            f"hook(module, incompatible_keys) after the load: {seen}")
     seen.remove(seen[-1])
+    _check("register_state_dict_pre_hook", seen[0] == ("before", model, "", False),
+           f"hook(module, prefix, keep_vars) first of the save: {seen}")
+    seen.remove(seen[0])
     _check("register_state_dict_post_hook", ("post", model, "") in seen and saved["weight"].dtype
            is torch.float64, "hook(module, state_dict, prefix, local_metadata) did not edit the dict")
     _check("register_load_state_dict_pre_hook", ("pre", model, "") in seen and len(seen) == 2,
@@ -635,6 +642,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "LR_SCHEDULER_STEP_CALLED": _lr_scheduler_mark,
     "optimizer_step_function": _optimizer_step_function,
     "register_optimizer_step_pre_hook": _step_pre_hook, "Event": _event,
+    "register_state_dict_pre_hook": _state_dict_hooks,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
     "register_load_state_dict_post_hook": _state_dict_hooks, "swaps_params_on_load": _swap_mode,

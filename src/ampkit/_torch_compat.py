@@ -62,8 +62,9 @@ __all__ = [
     "STEP_SUPPORTS_AMP_SCALING", "register_optimizer_step_pre_hook", "Event",
     "LR_SCHEDULER_MARK", "LR_SCHEDULER_STEP_CALLED", "optimizer_step_function", "ddp_ignore",
     # nn.Module internals
-    "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
-    "register_load_state_dict_post_hook", "swaps_params_on_load", "local_parameters",
+    "register_state_dict_pre_hook", "register_state_dict_post_hook",
+    "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+    "swaps_params_on_load", "local_parameters",
     "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
     # distributed
     "fsdp2",
@@ -454,6 +455,16 @@ _STATE_DICT_POST_HOOK = _entry("torch.nn.Module.register_state_dict_post_hook")
 # hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 # before load_state_dict(): O2 loads into the fp32 masters; public since 2.5.
 _LOAD_STATE_DICT_PRE_HOOK = _entry("torch.nn.Module.register_load_state_dict_pre_hook")
+
+
+# hook(module, prefix, keep_vars) before state_dict(): modules added since a conversion
+# get its hooks; public since 2.0.
+_STATE_DICT_PRE_HOOK = _entry("torch.nn.Module.register_state_dict_pre_hook")
+
+
+def register_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_state_dict_pre_hook(hook)``; hook(module, prefix, keep_vars)."""
+    return _STATE_DICT_PRE_HOOK(module, hook)
 
 
 def register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:

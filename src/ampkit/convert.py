@@ -22,7 +22,7 @@ import inspect
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +37,7 @@ from ._torch_compat import (
     register_load_state_dict_post_hook,
     register_load_state_dict_pre_hook,
     register_state_dict_post_hook,
+    register_state_dict_pre_hook,
     swaps_params_on_load,
 )
 from .master import master_of, resume_after_swap, suspend_for_swap
@@ -44,6 +45,7 @@ from .master import master_of, resume_after_swap, suspend_for_swap
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
 BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (BatchNormBase,)
 _HANDLE_ATTR = "_ampkit_convert_handle"
+_HOOKED_ATTR = "_ampkit_state_dict_hooks"  # on each module: the conversion that hooked it
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -154,6 +156,7 @@ class ConvertHandle:
         self.handles.clear()
         model = self._model() if self._model is not None else None
         if model is not None:
+            _unmark(model, self)
             _restore_forward(model, self)
             if getattr(model, _HANDLE_ATTR, None) is self:
                 delattr(model, _HANDLE_ATTR)
@@ -169,7 +172,9 @@ def remove_conversion(model: nn.Module) -> None:
     """Take off an earlier conversion of ``model`` (no-op without one)."""
     handle = conversion_of(model)
     if handle is not None:
-        _restore_forward(model, handle)  # (an unpickled copy's handle has no model to ask)
+        # (an unpickled copy's handle has no model to ask)
+        _restore_forward(model, handle)
+        _unmark(model, handle)
         handle.remove()
         if getattr(model, _HANDLE_ATTR, None) is handle:
             delattr(model, _HANDLE_ATTR)
@@ -208,7 +213,7 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
         handle.param_dtype = param_dtype
         handle.cast_param = next((p for p in model.parameters() if p.dtype == param_dtype), None)
     if param_dtype in HALF_DTYPES:
-        handle.handles += _install_fp32_state_dict(model)
+        _hook_modules(model.modules(), handle)
     if casts.active:
         _install_forward_casts(model, casts, handle)
     setattr(model, _HANDLE_ATTR, handle)
@@ -343,20 +348,45 @@ class _ConvertedForward(BoundForward):
 
 
 # --- state-dict hooks ---------------------------------------------------------------------
-def _install_fp32_state_dict(model: nn.Module) -> list[RemovableHandle]:
-    """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work.
+class _Descend:
+    """A save's or load's pre-hook on every module of a conversion: hooks the module's
+    children that the conversion has not hooked yet (added since ``initialize``: a new
+    head whose half parameters ``add_param_group`` gave masters, torch's parametrization
+    container), just before torch descends into them."""
 
-    Every module gets the assign check: a load's first hook runs on the module it was
-    called on, before anything is loaded."""
-    handles = []
-    for module in model.modules():
-        handles.append(register_load_state_dict_pre_hook(module, _refuse_assign))
-        if not (local_parameters(module) or local_buffers(module)):
+    def __init__(self, handle: ConvertHandle) -> None:
+        self.handle = handle
+
+    def before_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        _hook_modules(module.children(), self.handle)
+
+    def before_load(self, module: nn.Module, *_: Any) -> None:
+        _hook_modules(module.children(), self.handle)
+
+
+def _hook_modules(modules: Iterable[nn.Module], handle: ConvertHandle) -> None:
+    """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work,
+    on each of ``modules`` not hooked by ``handle`` yet (marked with it).
+
+    The assign check comes first: a load's first hook runs on the module it was called
+    on, before anything is loaded."""
+    descend = _Descend(handle)
+    for module in modules:
+        if module.__dict__.get(_HOOKED_ATTR) is handle:
             continue
-        handles.append(register_state_dict_post_hook(module, _save_fp32))
-        handles.append(register_load_state_dict_pre_hook(module, _load_into_masters))
-        handles.append(register_load_state_dict_post_hook(module, _after_load))
-    return handles
+        module.__dict__[_HOOKED_ATTR] = handle  # pickles and deep-copies with the module
+        handle.handles += [register_load_state_dict_pre_hook(module, _refuse_assign),
+                           register_state_dict_pre_hook(module, descend.before_save),
+                           register_load_state_dict_pre_hook(module, descend.before_load),
+                           register_state_dict_post_hook(module, _save_fp32),
+                           register_load_state_dict_pre_hook(module, _load_into_masters),
+                           register_load_state_dict_post_hook(module, _after_load)]
+
+
+def _unmark(model: nn.Module, handle: ConvertHandle) -> None:
+    for module in model.modules():
+        if module.__dict__.get(_HOOKED_ATTR) is handle:
+            del module.__dict__[_HOOKED_ATTR]
 
 
 def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
