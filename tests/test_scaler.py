@@ -623,6 +623,15 @@ def test_enabled_takes_the_ints_argparse_gives():
     assert GradScaler("cpu", enabled=1).is_enabled() and not GradScaler("cpu", enabled=0).is_enabled()
 
 
+def test_enabled_takes_numpy_bools_and_one_element_bool_tensors_as_torch_does():
+    np = pytest.importorskip("numpy")
+    for value in (np.bool_(True), np.bool_(False), torch.tensor(True), torch.tensor([False])):
+        assert GradScaler("cpu", enabled=value).is_enabled() is bool(value)
+        assert torch.amp.GradScaler("cpu", enabled=value).is_enabled() == bool(value)
+    with pytest.raises(TypeError, match="enabled must be a bool, got Tensor"):
+        GradScaler("cpu", enabled=torch.tensor([True, False]))
+
+
 def test_a_disabled_scaler_accepts_what_torch_accepts():
     settings = dict(init_scale=-1.0, growth_factor=0.5, backoff_factor=2.0, growth_interval=0)
     torch.amp.GradScaler("cpu", enabled=False, **settings)  # torch checks nothing here

@@ -92,8 +92,13 @@ def _bounds(min_scale: Any, max_scale: Any) -> tuple[Optional[float], Optional[f
 
 
 def _enabled(value: Any) -> bool:
-    """A bool (or the ints 0/1 that argparse flags give); never a string like "False"."""
+    """A bool (or the ints 0/1 that argparse flags give, a numpy bool, a one-element bool
+    tensor, as torch takes them); never a string like "False"."""
     if isinstance(value, (bool, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    if ((type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+            or (isinstance(value, torch.Tensor) and value.dtype == torch.bool
+                and value.numel() == 1)):
         return bool(value)
     raise TypeError(f"enabled must be a bool, got {type(value).__name__} {value!r}; "
                     "valid: True, False")
