@@ -187,6 +187,22 @@ def test_a_meta_device_model_is_refused_and_changes_no_default():
     assert amp.autocast().device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_o2_on_a_lazy_module_is_refused_before_anything_changes():
+    """The masters' copy raised torch's error from inside initialize, after the model had
+    been cast to half and the amp state replaced."""
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' not yet materialized.*valid: "
+                                         r"run one forward"):
+        amp.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    assert _state.get_active() is None and model[2].weight.dtype == torch.float32
+    assert "forward" not in vars(model)
+    model(torch.randn(2, 3))  # materialized: now it initializes
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    assert model[0].weight.dtype == BF16 and next(amp.master_params(opt)).dtype == torch.float32
+
+
 @pytest.mark.parametrize("name", ["delay_unscale", "delay_overflow_check"])
 def test_scale_loss_flags_must_be_bools(name):
     model, opt = _init("O1")

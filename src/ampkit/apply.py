@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from . import _state
 from ._checks import as_list, check_bool, check_int, check_positive
@@ -227,6 +228,15 @@ def check_params(models: list[nn.Module], optimizers: list[torch.optim.Optimizer
     master weights no parameter is stepped by two optimizers (one master per parameter;
     ``only_half``: the masters are of the parameters that are half already).
     """
+    if master_weights:
+        for i, model in enumerate(models):
+            lazy = next((n for n, p in model.named_parameters() if is_lazy(p)), None)
+            if lazy is not None:
+                raise ValueError(
+                    f"models[{i}] has parameter {lazy!r} not yet materialized (a lazy module, "
+                    "nn.LazyLinear and the like): its fp32 master needs its shape and values; "
+                    "valid: run one forward (a batch of the real shape) before "
+                    "ampkit.initialize")
     model_params = {id(p) for model in models for p in model.parameters()}
     owner: dict[int, int] = {}
     for i, optimizer in enumerate(optimizers):
