@@ -732,3 +732,37 @@ def test_both_declarations_and_a_declaring_model_inside_a_wrapper_are_warned_abo
         "Sequential's 'backbone' (_T5Like) declares _keep_in_fp32_modules_strict=['head']: ")
     assert "casts 6 of them ('backbone.block.0.wo.weight', ...)" in warned[0]
     assert "pass keep_fp32=['*.head', '*.wo']" in warned[0]
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("selector", [["attn.out_proj"], nn.Linear, ["attn.*"]])
+def test_the_out_proj_of_multihead_attention_alone_is_refused(selector):
+    """MultiheadAttention reads out_proj.weight without calling its forward: keeping it did
+    nothing under autocast, and under O2 the first forward met fp32 weights among bf16."""
+    model = _Attention()
+    with pytest.raises(ValueError, match=r"'attn.out_proj' is the out_proj of "
+                                         r"nn.MultiheadAttention 'attn'.*valid: keep the whole"):
+        ampkit.keep_fp32(model, selector)
+    assert ampkit.keep.kept_names(model) == []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="is the out_proj of nn.MultiheadAttention"):
+        ampkit.initialize(model, opt, opt_level="O2", half_dtype=BF16, keep_fp32=selector,
+                          verbosity=0)
+    assert model.head.weight.dtype == torch.float32
+
+
+def test_multihead_attention_kept_whole_runs_in_fp32_in_a_half_model():
+    model = ampkit.keep_fp32(_Attention(), ["attn"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    assert model.attn.out_proj.weight.dtype == torch.float32 and model.head.weight.dtype == BF16
+    assert model(torch.randn(2, 3, 8)).dtype == torch.float32
