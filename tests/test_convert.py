@@ -622,3 +622,50 @@ def test_hooks_for_added_modules_survive_pickling_and_a_second_initialize_once()
     initialize(model, opt2, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
     model.state_dict()
     assert _hook_count(model) == count
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_functional_call_with_the_fp32_state_dict_runs_the_model_in_fp32(level):
+    """The input cast followed the half parameter the conversion remembered, not the
+    tensors functional_call put in its place: a dtype mismatch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+    state = model.state_dict()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    plain.load_state_dict(state)
+    x = torch.randn(3, 4)
+    out = torch.func.functional_call(model, state, (x,))
+    assert out.dtype == torch.float32 and torch.equal(out, plain(x))
+    assert model(x).dtype == (torch.float32 if level == "O2" else torch.bfloat16)
+
+
+def test_an_o3_model_cast_back_with_float_returns_fp32_outputs():
+    """The inputs followed .float(), but O3's half output cast stayed: outputs were rounded
+    to bf16 where the docs promise an fp32 model for evaluation and export."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = initialize(model, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    model.float()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    assert model(x).dtype == torch.float32 and torch.equal(model(x), plain(x))
+    model.half()
+    assert model(x).dtype == torch.float16
+
+
+def test_keep_vars_masters_say_whether_their_parameter_trains_now():
+    """A backbone frozen (or unfrozen) after initialize kept its master's flag from then: a
+    'save only what trains' checkpoint (PEFT style) kept frozen weights or lost trained ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(True)
+    trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
+    assert trained == {"1.weight", "1.bias"}
+    assert model.state_dict(keep_vars=True)["1.weight"] is master_of(model[1].weight)

@@ -127,26 +127,52 @@ class ConvertHandle:
 
     ``casts``: what the converted forward does (None once removed); ``inner_forward``:
     the model's own ``forward`` attribute before the conversion (None: its class's);
-    ``cast_param``: one parameter the conversion cast to half (None: none was), whose
-    dtype tells the forward when the user cast the model again (``.float()``).
+    ``cast_at``: (module, attribute) of one parameter the conversion cast to half (None:
+    none was); ``cast_param`` is what that attribute holds now, whose dtype tells the
+    forward when the user cast the model again (``.float()``) or calls it with other
+    tensors in its place (``torch.func.functional_call`` with the fp32 state dict).
     """
 
-    cast_param: Optional[Tensor] = None  # class defaults: handles pickled before these
-    param_dtype: torch.dtype = torch.float32
+    _cast_at: Optional[tuple["weakref.ref[nn.Module]", str]] = None  # class defaults: handles
+    param_dtype: torch.dtype = torch.float32  # pickled before these
 
     def __init__(self, model: nn.Module) -> None:
         self._model: Optional[weakref.ref] = weakref.ref(model)
         self.handles: list[RemovableHandle] = []
         self.casts: Optional[ForwardCasts] = None
         self.inner_forward: Optional[Callable[..., Any]] = None
-        self.cast_param = None
+        self._cast_at = None
         self.param_dtype = torch.float32  # what the conversion cast the parameters to
+
+    @property
+    def cast_at(self) -> Optional[tuple[nn.Module, str]]:
+        if self._cast_at is None:
+            return None
+        module = self._cast_at[0]()
+        return None if module is None else (module, self._cast_at[1])
+
+    @cast_at.setter
+    def cast_at(self, at: Optional[tuple[nn.Module, str]]) -> None:
+        # Weakly: the module may be the model, which holds this handle.
+        self._cast_at = None if at is None else (weakref.ref(at[0]), at[1])
+
+    @property
+    def cast_param(self) -> Optional[Tensor]:
+        at = self.cast_at
+        if at is None:
+            return self.__dict__.get("cast_param")  # a handle pickled before cast_at
+        return getattr(at[0], at[1], None)
+
+    def __setstate__(self, state: dict) -> None:
+        at = state.pop("cast_at", None)
+        self.__dict__.update(state)
+        self.cast_at = at
 
     def __getstate__(self) -> dict:
         # A weak reference does not pickle; an unpickled model finds its handle through
         # its own attribute (conversion_of), so the copy needs none.
         return {"_model": None, "handles": self.handles, "casts": self.casts,
-                "inner_forward": self.inner_forward, "cast_param": self.cast_param,
+                "inner_forward": self.inner_forward, "cast_at": self.cast_at,
                 "param_dtype": self.param_dtype}
 
     def remove(self) -> None:
@@ -211,7 +237,9 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
     if param_dtype != torch.float32:
         cast_model(model, param_dtype, keep_fp32=keep_fp32, keep_modules=keep_modules)
         handle.param_dtype = param_dtype
-        handle.cast_param = next((p for p in model.parameters() if p.dtype == param_dtype), None)
+        handle.cast_at = next(((module, name) for module in model.modules()
+                               for name, p in local_parameters(module).items()
+                               if p is not None and p.dtype == param_dtype), None)
     if param_dtype in HALF_DTYPES:
         _hook_modules(model.modules(), handle)
     if casts.active:
@@ -244,11 +272,13 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     casts, inner = handle.casts, handle.inner_forward
     if casts is None:
         return _inner_forward(module, inner, args, kwargs)
+    cast_param = handle.cast_param
+    # Cast since (.float(), .to(float64)) or called with other tensors in place
+    # (functional_call): the inputs follow the parameters, and half outputs are not forced.
+    since = (cast_param.dtype if cast_param is not None
+             and cast_param.dtype != handle.param_dtype else None)
     if casts.input_dtype is not None:
-        dtype = casts.input_dtype
-        cast_param = handle.cast_param
-        if cast_param is not None and cast_param.dtype != handle.param_dtype:
-            dtype = cast_param.dtype  # cast since (.float(), .to(float64)): inputs follow
+        dtype = casts.input_dtype if since is None else since
         args = cast_floating(args, dtype)
         if kwargs:
             kwargs = cast_floating(kwargs, dtype)
@@ -257,7 +287,7 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     else:
         output = casts.autocast().run(_inner_forward, module, inner, args, kwargs)
     dtype = casts.output_dtype
-    if dtype is None:
+    if dtype is None or (since is not None and dtype in HALF_DTYPES):
         return output
     if output.__class__ is Tensor:  # the usual output, cast without the tree walk
         return cast_tensor(output, dtype) if output.is_floating_point() and output.dtype != dtype else output
@@ -404,7 +434,10 @@ def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
                                if keep_vars and value is not param else value)
         else:
             # The fp32 master, not the half parameter rounded from it: the exact training
-            # state; with keep_vars the master itself, the variable the optimizer steps.
+            # state; with keep_vars the master itself, the variable the optimizer steps,
+            # saying whether it trains as the parameter says now (frozen or unfrozen since).
+            if keep_vars and master.requires_grad != param.requires_grad:
+                master.requires_grad_(param.requires_grad)
             state_dict[key] = master if keep_vars else master.detach()
     for name, buf in local_buffers(module).items():
         key = prefix + name
