@@ -1326,6 +1326,22 @@ def test_a_group_added_later_with_an_eps_fp16_rounds_to_zero_is_warned_about_too
     assert len(opt.param_groups) == 3 and opt.param_groups[2]["eps"] == 1e-8  # added all the same
 
 
+def test_o3_fp16_fused_adagrad_with_an_eps_fp16_rounds_to_zero_is_warned_about():
+    """Fused groups were spared as 'computing in fp32', but torch's CPU fused Adagrad writes
+    NaN for a zero gradient of 16 elements or more: unwarned NaN weights."""
+    model = nn.Linear(16, 16)
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2, fused=True)  # eps=1e-10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = initialize(model, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
+    said = [str(w.message) for w in caught if "rounds to 0 in fp16" in str(w.message)]
+    assert len(said) == 1 and "Adagrad" in said[0] and "fused Adagrad does not" in said[0]
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.bias.grad = torch.zeros_like(model.bias)
+    opt.step()
+    assert not model.weight.isfinite().all()  # what the warning foretells (torch 2.13)
+
+
 @pytest.mark.parametrize("level, half", [("O2", torch.float16), ("O3", torch.bfloat16)])
 def test_masters_or_bf16_give_no_eps_warning(level, half):
     model = _model()

@@ -177,11 +177,14 @@ def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) 
     to a zero second moment, and the update divides by ``sqrt(0) + 0``: inf or NaN
     reaches the weight at the first step, which no loss scale can catch (apex's O3 did
     the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused
-    step computes in fp32 and is spared.
+    Adam or AdamW step computes in fp32 and is spared; fused Adagrad (a CPU kernel) is not:
+    its vectorized part writes NaN for a zero gradient (torch 2.11, 2.13: 16 elements or more).
     """
+    spared = bool(getattr(optimizer, "defaults", {}).get("fused")) and not isinstance(
+        optimizer, torch.optim.Adagrad)
     for group in groups:
         eps = group.get("eps")
-        if (not group.get("fused") and isinstance(eps, (int, float))
+        if (not (group.get("fused") and spared) and isinstance(eps, (int, float))
                 and not isinstance(eps, bool) and eps > 0
                 and float(torch.tensor(eps, dtype=torch.float16)) == 0
                 and any(p.dtype == torch.float16 for p in group["params"])):
@@ -191,8 +194,9 @@ def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) 
                       f"eps={eps:g}, which rounds to 0 in fp16: wherever a gradient's square "
                       "underflows (gradients below about 5e-3) its update divides by zero, and "
                       "inf or NaN reaches the weights at the first step. Use eps=1e-4 (ampkit "
-                      "bench's choice for fp16 AdamW), fused=True (it computes in fp32), or "
-                      "opt_level='O2' for fp32 masters")
+                      "bench's choice for fp16 AdamW), a fused Adam or AdamW (fused=True: it "
+                      "computes in fp32; fused Adagrad does not), or opt_level='O2' for fp32 "
+                      "masters")
             return
 
 
