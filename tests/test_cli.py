@@ -466,3 +466,18 @@ def report_notes(result):
     from ampkit.bench.verdict import notes
 
     return notes(result)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--model", "nosuch", "--plot", "{d}/x.png"],
+    ["bench", "--json", "{d}/x.json", "--lr", "-1"],
+    ["train", "--checkpoint", "{d}/c.pt", "--epochs", "0"],
+    ["tune", "--model", "nosuch", "--json", "{d}/r.json"],
+])
+def test_a_refused_run_leaves_no_output_folder_behind(tmp_path, capsys, argv):
+    """The output paths were checked by making their folders: a run refused afterwards
+    (exit 2) left them behind, empty."""
+    folder = tmp_path / "new" / "deeper"
+    assert main([a.format(d=folder) for a in argv]) == 2
+    assert not (tmp_path / "new").exists()
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -182,3 +182,18 @@ def test_a_damaged_run_record_of_an_nproc_checkpoint_is_refused(tmp_path, text):
     with pytest.raises(UsageError, match=r"cannot be read \(JSONDecodeError: .*\), the checkpoint "
                                          r"is damaged; valid: an intact copy"):
         read_meta(str(tmp_path))
+
+
+def test_a_file_of_the_users_is_never_overwritten_by_a_checkpoint(capsys, tmp_path, ckpt):
+    """--checkpoint notes.txt replaced the user's file with a checkpoint, without a word."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    weights = tmp_path / "pretrained.pt"
+    torch.save({"weight": torch.ones(2)}, weights)
+    for path in (notes, weights):
+        assert main(RESUME[:-2] + ["--epochs", "1", "--checkpoint", str(path)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert f"--checkpoint {str(path)!r} exists and is not a checkpoint of ampkit train" in line
+    assert notes.read_text() == "mine" and torch.load(weights)["weight"].sum() == 2
+    # A checkpoint of ampkit train is replaced, as a run that saves every epoch does.
+    assert main(RESUME[:-2] + ["--epochs", "1", "--checkpoint", str(ckpt)]) == 0

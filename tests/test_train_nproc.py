@@ -273,3 +273,45 @@ def test_fp8_histories_written_for_every_rank_at_once_are_told_apart(tmp_path):
     assert _shared_fp8_histories(str(tmp_path / "old"))
     assert not _shared_fp8_histories(str(tmp_path / "new"))
     assert not _shared_fp8_histories(str(tmp_path / "none"))
+
+
+@pytest.mark.parametrize("where", ["", ".old", ".tmp"])
+def test_a_folder_of_the_users_is_never_replaced_by_a_checkpoint(capsys, no_launch, tmp_path,
+                                                                 where):
+    """A new run moved --checkpoint's folder aside and deleted it (and PATH.old, PATH.tmp):
+    `--checkpoint .` wiped the user's working folder."""
+    target = tmp_path / "run"
+    (tmp_path / f"run{where}").mkdir()
+    mine = tmp_path / f"run{where}" / "train_mine.py"
+    mine.write_text("code")
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(target))
+    assert f"holds 'train_mine.py'" in line and "valid: a new or empty folder" in line
+    assert mine.read_text() == "code"
+
+
+def test_an_empty_folder_or_a_checkpoint_folder_may_be_written(capsys, no_launch, tmp_path):
+    from ampkit.bench.train_parallel import check_checkpoint_dir
+
+    (tmp_path / "empty").mkdir()
+    check_checkpoint_dir(str(tmp_path / "empty"), resume=False)
+    folder = _two_rank_record(tmp_path)  # a run record and DCP's files
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "__0_0.distcp").write_bytes(b"")
+    check_checkpoint_dir(str(folder), resume=False)
+
+
+def test_another_programs_dcp_checkpoint_is_not_replaced(capsys, no_launch, tmp_path):
+    """docs/distributed.md saved its FSDP example to /tmp/ckpt, then ran train --nproc
+    with --checkpoint /tmp/ckpt: the example's checkpoint was replaced."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"x")
+    (folder / "__0_0.distcp").write_bytes(b"x")
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder))
+    assert "holds '.metadata'" in line and "not part of a checkpoint of ampkit train" in line
+    tmp = tmp_path / "run.tmp"  # what a save killed before its record leaves: removed
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"x")
+    from ampkit.bench.train_parallel import check_checkpoint_dir
+
+    check_checkpoint_dir(str(tmp_path / "run"), resume=False)

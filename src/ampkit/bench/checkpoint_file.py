@@ -68,6 +68,25 @@ def _unseal(record: Any, path: str) -> Any:
     return _read(io.BytesIO(payload.numpy()), path)
 
 
+def check_replaceable(path: str) -> None:
+    """UsageError unless a run may write its checkpoint at ``path``: nothing there, an
+    empty file, or a checkpoint that ampkit train wrote (the run replaces it). Anything
+    else is the user's and is left alone. Reads only the record's pickle (mmap), so even
+    a large file is told quickly."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ours = isinstance(record, dict) and str(record.get("format", "")).startswith(
+            "ampkit-train")
+    except Exception:  # noqa: BLE001 - not a torch.save archive, or not of ours
+        ours = False
+    if not ours:
+        raise UsageError(f"--checkpoint {path!r} exists and is not a checkpoint of ampkit "
+                         "train, and the run would overwrite it; valid: a new path, or the "
+                         "checkpoint of an earlier ampkit train run (it is replaced)")
+
+
 def _remove_stale_temp_files(path: str) -> None:
     """Remove the ``PATH.tmp<pid>`` files of saves that were killed mid-write.
 

@@ -38,6 +38,7 @@ from torch import nn
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import Dataset, load_data
 from .errors import UsageError
+from .paths import check_can_create
 from .launch import exit_rank, launch_ranks, rank_main
 from .parallel import ParallelPlan
 from .stepcheck import Warn
@@ -62,14 +63,37 @@ def check_checkpoint_dir(path: str, resume: bool) -> None:
     if resume:
         read_meta(path, verify=False)  # the files' digests: once, in check_parallel_train
         return
-    folder = os.path.dirname(os.path.abspath(path))
+    for where in (path, path + ".tmp", path + ".old"):  # the run replaces or removes these
+        foreign = _foreign_entries(where, record=not where.endswith(".tmp"))
+        if foreign:
+            raise UsageError(
+                f"--checkpoint {path!r}: {where!r} holds {foreign[0]!r}, which is not part of "
+                "a checkpoint of ampkit train --nproc, and the run would "
+                f"{'replace' if where == path else 'remove'} that folder; "
+                "valid: a new or empty folder, or the folder of an earlier ampkit train "
+                "--nproc run")
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        check_can_create(path)
     except OSError as err:
         raise UsageError(f"--checkpoint {path!r} cannot be written ({err.strerror or err}); "
                          "valid: a folder path in a folder you can write to") from None
+
+
+def _foreign_entries(folder: str, record: bool) -> list[str]:
+    """What ``folder`` holds besides a DCP checkpoint's files and ampkit's record (a file
+    in its place counts as foreign too), sorted; [] when it does not exist or is empty.
+    ``record``: DCP files without ampkit's record are foreign too (another program's
+    checkpoint; only a save killed before its record, at PATH.tmp, leaves them so)."""
+    if not os.path.lexists(folder):
+        return []
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return [os.path.basename(folder)]
+    names = os.listdir(folder)
+    foreign = sorted(name for name in names if not (
+        name == META or name.startswith(".metadata") or name.endswith(".distcp")))
+    if not foreign and record and names and META not in names:
+        return sorted(names)
+    return foreign
 
 
 def read_meta(path: str, *, verify: bool = True) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import tempfile
 from typing import Any, NoReturn, Optional, Sequence
 
 import torch
@@ -95,20 +94,17 @@ def _valid_devices() -> str:
 
 
 def check_output_paths(**paths: Optional[str]) -> None:
-    """Fail before a run, not after it, when an output file could not be written.
+    """Fail before a run, not after it, when an output file could not be written (makes
+    nothing: see :func:`ampkit.bench.paths.check_can_create`)."""
+    from ..bench.paths import check_can_create
 
-    Makes the file's folder (the run would make it anyway) and writes a scratch file there.
-    """
     for flag, path in paths.items():
         if not path or path == "-":
             continue
-        folder = os.path.dirname(os.path.abspath(path))
         try:
             if os.path.isdir(path):
                 raise OSError(0, "it is a folder")
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
+            check_can_create(path)
         except OSError as err:
             raise UsageError(f"--{flag} {path!r} cannot be written ({err.strerror or err}); "
                              "valid: a file path in a folder you can write to") from None

@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if plan is None:
         _check_not_parallel_checkpoint(args.checkpoint)
     check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
+    if plan is None and args.checkpoint and not args.resume:
+        from ..bench.checkpoint_file import check_replaceable
+
+        check_replaceable(args.checkpoint)  # a file of the user's is never overwritten
     settings = TrainSettings(model=args.model, data=args.data, data_dir=args.data_dir,
                              policy=policy, epochs=args.epochs, batch_size=args.batch_size,
                              lr=args.lr, seed=args.seed, device=device)
