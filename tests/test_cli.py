@@ -481,3 +481,55 @@ def test_a_refused_run_leaves_no_output_folder_behind(tmp_path, capsys, argv):
     assert main([a.format(d=folder) for a in argv]) == 2
     assert not (tmp_path / "new").exists()
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("version, words", [
+    ("2.13.0+cpu", 'pip install "torchvision==0.28.*" --index-url https://download.pytorch.org/whl/cpu'),
+    ("2.11.0+cu130", 'pip install "torchvision==0.26.*" --index-url https://download.pytorch.org/whl/cu130'),
+    ("2.13.0", 'pip install "torchvision==0.28.*"'),
+])
+def test_the_torchvision_advice_names_the_release_of_the_installed_torch(monkeypatch, version, words):
+    """'pip install torchvision' pulled the newest torch (a multi-GB CUDA build) over the
+    user's CPU torch."""
+    from ampkit.bench.errors import torchvision_install
+
+    monkeypatch.setattr(torch, "__version__", version)
+    assert torchvision_install() == words
+
+
+def test_no_command_prints_the_help_to_stderr_and_exits_2(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage: ampkit" in captured.err
+
+
+@pytest.mark.parametrize("command", [["train", "--data", "synthetic"], ["doctor"],
+                                     ["tune"], ["bench"]])
+def test_a_seed_beyond_int64_exits_2_naming_it(capsys, command):
+    """It failed deep in torch (exit 1, 'Overflow when unpacking long long')."""
+    assert main([*command, "--seed", str(2**64)]) == 2
+    assert f"--seed {2**64} is out of range; valid: an integer in [-2**63, 2**63 - 1]" in \
+        capsys.readouterr().err
+
+
+def test_train_takes_the_largest_seed(tmp_path, capsys):
+    """Its per-epoch shuffle seed (seed * 1000003 + epoch) overflowed torch's int64."""
+    assert main(["train", "--data", "synthetic", "--epochs", "1", "--quiet",
+                 "--seed", str(2**63 - 1)]) == 0
+
+
+def test_data_dir_without_cifar10_is_refused(capsys):
+    """It was ignored silently, even a folder that does not exist."""
+    assert main(["train", "--data-dir", "/nonexistent_dir", "--epochs", "1"]) == 2
+    assert "--data-dir '/nonexistent_dir' is read only with --data cifar10" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("./mymods.py:ok", "names a file; valid: its import name (the current folder is on the "
+                       "path), e.g. mymods:ok"),
+    ("pkg/mymods.py:ok", "e.g. pkg.mymods:ok"),
+    ("json:__doc__", "has '__doc__', but it is not a function (type str)"),
+])
+def test_model_specs_that_name_files_or_non_functions_say_what_to_write(capsys, spec, words):
+    assert main(["train", "--model", spec, "--data", "synthetic", "--epochs", "1"]) == 2
+    assert words in capsys.readouterr().err

@@ -197,3 +197,11 @@ def test_a_file_of_the_users_is_never_overwritten_by_a_checkpoint(capsys, tmp_pa
     assert notes.read_text() == "mine" and torch.load(weights)["weight"].sum() == 2
     # A checkpoint of ampkit train is replaced, as a run that saves every epoch does.
     assert main(RESUME[:-2] + ["--epochs", "1", "--checkpoint", str(ckpt)]) == 0
+
+
+def test_an_empty_checkpoint_file_says_so(capsys, tmp_path):
+    """The reason was empty: "cannot read checkpoint 'ck.pt' (EOFError: )"."""
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    line = resume_error(capsys, empty)
+    assert "(the file is empty); valid: the --checkpoint file of an earlier run" in line

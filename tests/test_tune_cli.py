@@ -110,3 +110,13 @@ def test_an_explicit_policys_commas_keep_it_one_candidate_as_in_bench():
     text = "bf16-mixed,p=f32,c=bf16,o=f32"
     assert check_candidates(text, "cpu") == ["bf16-mixed", "p=f32,c=bf16,o=f32"]
     assert check_candidates(text, "cpu") == [s.label for s in parse_policy_list(text, "cpu")]
+
+
+def test_candidates_auto_is_the_device_default_as_bench_policies_auto(tmp_path):
+    """'auto' was refused as an unknown candidate while bench --policies took it."""
+    out = tmp_path / "tune.json"
+    assert main(["tune", *TINY, "--candidates", "auto", "--json", str(out)]) == 0
+    default = tmp_path / "default.json"
+    assert main(["tune", *TINY, "--json", str(default)]) == 0
+    assert (json.loads(out.read_text())["settings"]["candidates"]
+            == json.loads(default.read_text())["settings"]["candidates"])

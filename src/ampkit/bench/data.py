@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, torchvision_install
 from torch import Tensor
 
 DATASETS = ("digits", "cifar10", "synthetic")
@@ -96,7 +96,7 @@ def load_cifar10(data_dir: Optional[str]) -> Dataset:
         from torchvision.datasets import CIFAR10
     except ImportError:
         raise UsageError("--data cifar10 needs torchvision, which is not installed; valid: "
-                        "pip install torchvision, or --data digits / synthetic") from None
+                         f"{torchvision_install()}, or --data digits / synthetic") from None
     try:
         train, test = (CIFAR10(data_dir, train=flag, download=False) for flag in (True, False))
     except (RuntimeError, OSError) as err:

@@ -20,6 +20,22 @@ class UsageError(ValueError):
     """
 
 
+def torchvision_install() -> str:
+    """The pip command for the torchvision of the installed torch: a bare ``pip install
+    torchvision`` pulls the newest torch with it (the multi-GB CUDA build over a CPU one).
+    torchvision 0.N+15 goes with torch 2.N; a local build tag (``+cpu``) names its index."""
+    import torch
+
+    base, _, local = torch.__version__.partition("+")
+    parts = base.split(".")
+    if len(parts) < 2 or parts[0] != "2" or not parts[1].isdigit():
+        return "pip install torchvision (the release made for your torch)"
+    command = f'pip install "torchvision==0.{int(parts[1]) + 15}.*"'
+    if local:
+        command += f" --index-url https://download.pytorch.org/whl/{local}"
+    return command
+
+
 class BenchInterrupted(KeyboardInterrupt):
     """Ctrl-C (or a time limit's SIGINT) during ``bench``'s rounds:
     ``results`` are the compared rows of the steps run so far (``runner.run_bench``)."""

@@ -79,6 +79,10 @@ class TrainSettings:
             raise UsageError(f"--lr must be a positive number, got {self.lr}")
         if self.data not in DATASETS:
             raise UsageError(f"unknown dataset {self.data!r}; valid: {', '.join(DATASETS)}")
+        if self.data_dir is not None and self.data != "cifar10":
+            raise UsageError(f"--data-dir {self.data_dir!r} is read only with --data cifar10, "
+                             f"not --data {self.data}; valid: --data cifar10 --data-dir DIR, or "
+                             "no --data-dir")
 
 
 def build_classifier(name: str, data: Dataset) -> nn.Module:
@@ -172,7 +176,8 @@ class Trainer:
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The indices of the training samples this process trains on, in the (seed,
         epoch) order: all of them here (a rank of ``train --nproc`` takes its share)."""
-        gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + epoch)
+        # Modulo 2**64, which torch takes whole (a negative seed wraps there alike).
+        gen = torch.Generator().manual_seed((self.settings.seed * 1_000_003 + epoch) % 2**64)
         return torch.randperm(len(self.data.train_y), generator=gen)
 
     @torch.no_grad()

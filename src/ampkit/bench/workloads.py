@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import UsageError
+from .errors import UsageError, torchvision_install
 
 Batch = tuple[Tensor, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -109,8 +109,8 @@ def make_resnet18(num_classes: int = 10) -> nn.Module:
         from torchvision.models import resnet18
     except ImportError:
         raise UsageError("model 'resnet18' needs torchvision, which is not installed "
-                            "(pip install torchvision); valid here: mlp, cnn, gpt, or "
-                            "package.module:function") from None
+                         f"({torchvision_install()}); valid here: mlp, cnn, gpt, or "
+                         "package.module:function") from None
     return resnet18(num_classes=num_classes)
 
 
@@ -287,18 +287,24 @@ def load_user_function(spec: str, valid: str = VALID_MODELS) -> Callable[..., An
     module_name, _, func_name = spec.partition(":")
     if not module_name or not func_name.isidentifier():
         raise UsageError(f"model {spec!r} is not of the form package.module:function; "
-                            f"valid: {valid}")
+                         f"valid: {valid}")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        dotted = module_name[:-3] if module_name.endswith(".py") else module_name
+        dotted = dotted.strip("./").replace("/", ".").replace(os.sep, ".")
+        raise UsageError(f"model {spec!r} names a file; valid: its import name (the current "
+                         f"folder is on the path), e.g. {dotted}:{func_name}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # a user module can fail in any way: report it in one line
         raise UsageError(f"model {spec!r}: cannot import {module_name!r} "
-                            f"({type(err).__name__}: {err}); valid: {valid}") from None
+                         f"({type(err).__name__}: {err}); valid: {valid}") from None
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise UsageError(f"model {spec!r}: module {module_name!r} has no function "
-                            f"{func_name!r}; valid: {valid}")
+        what = (f"no function {func_name!r}" if func is None else
+                f"{func_name!r}, but it is not a function (type {type(func).__name__})")
+        raise UsageError(f"model {spec!r}: module {module_name!r} has {what}; valid: {valid}")
     return func
 
 

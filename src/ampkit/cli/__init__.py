@@ -36,6 +36,13 @@ def build_parser() -> Parser:
     return parser
 
 
+def _check_seed(seed: int) -> None:
+    """The seeds every command takes: torch's int64 (a larger one failed deep in torch)."""
+    if not -(2**63) <= seed <= 2**63 - 1:
+        raise UsageError(f"--seed {seed} is out of range; valid: an integer in "
+                         f"[-2**63, 2**63 - 1]")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``ampkit`` with ``argv`` (default: sys.argv[1:]); returns the exit status.
 
@@ -46,10 +53,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help, --version (0) and usage errors (2)
         return stop.code if isinstance(stop.code, int) else 0
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # as argparse's own usage errors: to stderr, status 2
+        parser.print_help(sys.stderr)
+        return 2
     try:
+        _check_seed(getattr(args, "seed", 0))
         status = int(args.handler(args))
         sys.stdout.flush()  # what is still buffered: a closed pipe shows here, not at exit
         return status

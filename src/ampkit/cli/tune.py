@@ -40,8 +40,8 @@ def add_parser(sub: Any) -> None:
     add_common(p, "mlp, cnn, resnet18, gpt, or package.module:function", "gpt")
     p.set_defaults(handler=run)
     p.add_argument("--candidates", metavar="LIST", help="comma-separated policy names ("
-                   "';' when one is an explicit p=,c=,o= policy; default: the policies the "
-                   "device runs natively)")
+                   "';' when one is an explicit p=,c=,o= policy; default, or 'auto': the "
+                   "policies the device runs natively)")
     p.add_argument("--steps", type=int, default=20, help="training steps per candidate, the "
                    "first two untimed (default 20; at least 3)")
     p.add_argument("--max-loss-dev", type=float, default=0.02, metavar="X", help="the largest "
@@ -57,7 +57,7 @@ def check_candidates(text: Optional[str], device: str) -> list[str]:
     from ..policy import preset_names
     from ..tune import FP8_CANDIDATES, check_candidate
 
-    if text is None:
+    if text is None or text.strip() == "auto":  # "auto" as bench's --policies takes it
         return list(device_policies(device).candidates)
     names = split_policy_list(text)  # as bench reads --policies: "p=f32,c=bf16,o=f32" is one
     valid = (f"{', '.join(preset_names())}, O1-O3 with -bf16/-fp16, "
