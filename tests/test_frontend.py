@@ -480,6 +480,58 @@ def test_delay_unscale_across_losses_with_other_scales_matches_no_delay(level, d
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def _scales_through(level: str, exits: list[tuple[int, bool, bool]], num_losses: int = 1):
+    """Each loss scaler's scale after each exit of one iteration: (loss_id, delay, an inf
+    planted in that exit's backward)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {"loss_scale": "dynamic"} if level == "O3" else {}
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.bfloat16,
+               num_losses=num_losses, verbosity=0, **extra)
+    scalers = _state.get_active().scalers
+    x = torch.randn(5, 4)
+    optimizer.zero_grad()
+    seen = []
+    for loss_id, delay, plant in exits:
+        with scale_loss(model(x).float().pow(2).mean(), optimizer, loss_id=loss_id,
+                        delay_unscale=delay) as scaled:
+            scaled.backward()
+            if plant:
+                model.weight.grad[0, 0] = float("inf")
+        seen.append([s.get_scale() for s in scalers])
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped
+    return seen
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("clean_first", [False, True])
+def test_one_overflow_backs_the_scale_off_once_across_a_delayed_exit(level, clean_first):
+    """A delayed exit scaled the grads an earlier exit had unscaled (and flagged) back up,
+    and the next exit that did not delay flagged them again: 65536 -> 32768 -> 16384 for
+    one overflow (torch's rule on the flags [inf, clean]: 32768, then 32768). Also when a
+    clean exit came between the overflow and the delayed one."""
+    exits = [(0, False, True)] + [(0, False, False)] * clean_first + [(0, True, False),
+                                                                      (0, False, False)]
+    seen = _scales_through(level, exits)
+    assert [s[0] for s in seen] == [2.0**15] * len(exits)
+
+
+def test_another_losss_overflow_does_not_back_off_a_clean_loss_across_a_delayed_exit():
+    seen = _scales_through("O1", [(0, False, True), (1, True, False), (1, False, False)],
+                           num_losses=2)
+    assert seen[-1] == [2.0**15, 2.0**16]
+
+
+def test_an_overflow_in_a_delayed_exit_after_a_counted_one_is_counted_too():
+    """From the delayed exit on, each delayed exit's own grads are checked as it ends: an
+    overflow there is its update's, though the held grads' earlier one is not counted again."""
+    seen = _scales_through("O1", [(0, False, True), (0, True, True), (0, False, False)])
+    assert [s[0] for s in seen] == [2.0**15, 2.0**15, 2.0**14]
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_o2_with_model_zero_grad_does_not_accumulate_into_the_masters(dtype):
     params = []

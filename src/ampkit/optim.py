@@ -58,6 +58,12 @@ class AmpStash:
     delayed_inv: Optional[Tensor] = None
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
+    # One process: the overflow flags of the exits that did not delay since the optimizer's
+    # own grads were last empty, or-ed (their unscaled grads are in them), and, once a
+    # delayed exit scaled those grads back up, that flag (``carried_inf``): their overflow
+    # was counted already.
+    last_found_inf: Optional[Tensor] = None
+    carried_inf: Optional[Tensor] = None
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's

@@ -344,9 +344,13 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
     # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
+    held_own = bool(held.own_grads)  # (add_back empties the list)
+    apart = False
+    if found_inf is not None and not several:
+        apart = _count_once(held, stash, inv_scale, found_inf, delay)
     if holding:
         _to_this_scale(held, stash, inv_scale, delay)
-        held.add_back(own=delay or not held.own_unscaled, half=True)
+        held.add_back(own=delay or not (held.own_unscaled or apart), half=True)
     masters = stash.masters
     keep = several and masters is not None
     own = [] if delay else [p.grad for p in held.own if p.grad is not None]
@@ -365,6 +369,49 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
     stash.grads_unscaled = not delay
     stash.delayed_inv = inv_scale if delay else None
+    if not delay:
+        # The grads now hold what every exit since they were empty unscaled: its flags.
+        earlier = stash.last_found_inf if held_own else None
+        stash.last_found_inf = (found_inf if earlier is None or found_inf is None else
+                                torch.maximum(earlier.to(found_inf.device), found_inf))
+        stash.carried_inf = None
+
+
+def _count_once(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor], found_inf: Tensor,
+                delay: bool) -> bool:
+    """Count each gradient's overflow in one loss-scale update only (one process).
+
+    A delayed exit scales the grads an earlier exit unscaled (and checked) back up to its
+    own scale, so the next exit that does not delay would unscale and flag them again,
+    backing the scale off twice for one overflow. From that delayed exit on
+    (``carried_inf``: the earlier exit's flag), each delayed exit checks its own new grads
+    as it ends, and the exit that does not delay unscales the held grads apart: their
+    overflow counts only where the earlier exit found none (an fp16 grad scaled back up
+    past its range). Returns whether the held grads were unscaled apart (they then join
+    after this exit's unscale)."""
+    if not held.own_grads:
+        if delay:  # the grads it was the flag of are gone (zero_grad): this exit's are new
+            stash.carried_inf = None
+        return False
+    if inv_scale is None:
+        return False
+    if delay:
+        if held.own_unscaled and stash.last_found_inf is not None:
+            stash.carried_inf = stash.last_found_inf
+        if stash.carried_inf is not None:
+            new = [p.grad for p in held.own if p.grad is not None]
+            if new:
+                unscale_grads_(new, torch.ones((), device=found_inf.device), found_inf)
+        return False
+    carried = stash.carried_inf
+    if held.own_unscaled or carried is None or stash.delayed_inv is None:
+        return False
+    held_inf = torch.zeros_like(found_inf)
+    unscale_grads_([grad for _, grad in held.own_grads],
+                   stash.delayed_inv.to(found_inf.device), held_inf)
+    torch.maximum(found_inf, held_inf * (1 - carried.to(found_inf.device)), out=found_inf)
+    stash.delayed_inv = None  # unscaled: _to_this_scale has nothing left to do
+    return True
 
 
 def _to_this_scale(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor],
