@@ -149,11 +149,17 @@ def test_step_before_scale_and_step_without_grads_raise():
         scaler.step(opt)
 
 
-def test_closure_is_rejected():
+@pytest.mark.parametrize("positional", [False, True])
+def test_closure_is_rejected(positional):
+    """torch checks only closure=...: a closure passed positionally ran (LBFGS re-evaluates
+    it on scaled, unchecked gradients, and an inf there reached the weights)."""
     scaler, model, opt = _ready()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
-        scaler.step(opt, closure=lambda: 0.0)
+        if positional:
+            scaler.step(opt, lambda: 0.0)
+        else:
+            scaler.step(opt, closure=lambda: 0.0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 

@@ -463,7 +463,9 @@ class GradScaler:
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs:
+        if "closure" in kwargs or (args and callable(args[0])):
+            # torch checks the keyword only; a closure passed positionally re-evaluated the
+            # loss on scaled, unchecked gradients, and an inf there reached the weights.
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         if optimizer.__class__ not in _CHECKED_OPTIMIZERS:
