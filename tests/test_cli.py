@@ -533,3 +533,23 @@ def test_data_dir_without_cifar10_is_refused(capsys):
 def test_model_specs_that_name_files_or_non_functions_say_what_to_write(capsys, spec, words):
     assert main(["train", "--model", spec, "--data", "synthetic", "--epochs", "1"]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "doctor"])
+def test_a_user_function_returning_a_half_model_is_refused_alike(tmp_path, monkeypatch, capsys,
+                                                                 command):
+    """doctor refused it (exit 2), tune failed after its header (exit 1), and bench ran,
+    showing every other policy as non-finite and the cause at the bottom (exit 0)."""
+    (tmp_path / "halfmods.py").write_text(textwrap.dedent("""\
+        import torch
+
+        def make():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 4)).half()
+            return model, (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+        """))
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--model", "halfmods:make"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert ("model 'halfmods:make' returned a model whose parameter '0.weight' is "
+            "torch.float16; the reference pass must be fp32" in captured.err)

@@ -37,6 +37,7 @@ def check_fp32_model(model: nn.Module, caller: str) -> None:
 
 def fp32_model_hint(caller: str) -> str:
     """What :func:`check_fp32_model`'s refusals call valid (for a caller's own refusals)."""
-    copies = "the policy" if caller == "inspect" else "each candidate policy"
+    copies = ("the policy" if caller == "inspect" else
+              "each policy" if caller == "the command" else "each candidate policy")
     return (f"valid: the fp32 model, before ampkit.initialize / convert_to_fp8 / .half() "
             f"({caller} applies {copies} to its own copy)")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._reference import check_fp32_model
 from .errors import UsageError, torchvision_install
 
 Batch = tuple[Tensor, Tensor]
@@ -373,6 +374,10 @@ def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Option
           and (len(result) == 2 or callable(result[2])))
     if not ok:
         raise UsageError(f"model {spec!r} returned {_describe(result)}; {_EXPECTED}")
+    try:  # every command compares policies from these weights, fp32 (32-true) first
+        check_fp32_model(result[0], "the command")
+    except ValueError as err:
+        raise UsageError(f"model {spec!r} returned a model whose {err}") from None
     loss_fn = result[2] if len(result) == 3 else None
     return result[0], (result[1][0], result[1][1]), loss_fn
 
