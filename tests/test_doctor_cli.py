@@ -243,7 +243,7 @@ def test_plot_without_matplotlib_is_refused_before_running(capsys, monkeypatch):
 
 def test_a_model_that_is_not_fp32_is_refused(capsys, user_models):
     line = usage_error(capsys, "--model", f"{user_models}:halved", "--quiet")
-    assert "cannot inspect this model" in line and "torch.float16" in line
+    assert "returned a model whose parameter" in line and "torch.float16" in line
 
 
 def test_a_batch_size_below_1_is_refused_for_a_user_function_too(capsys, user_models):
