@@ -134,6 +134,7 @@ class ConvertHandle:
     """
 
     _cast_at: Optional[tuple["weakref.ref[nn.Module]", str]] = None  # class defaults: handles
+    _legacy_param: Optional[Tensor] = None
     param_dtype: torch.dtype = torch.float32  # pickled before these
 
     def __init__(self, model: nn.Module) -> None:
@@ -160,11 +161,13 @@ class ConvertHandle:
     def cast_param(self) -> Optional[Tensor]:
         at = self.cast_at
         if at is None:
-            return self.__dict__.get("cast_param")  # a handle pickled before cast_at
+            return self._legacy_param
         return getattr(at[0], at[1], None)
 
     def __setstate__(self, state: dict) -> None:
         at = state.pop("cast_at", None)
+        # A handle pickled before cast_at held the parameter itself.
+        self._legacy_param = state.pop("cast_param", None)
         self.__dict__.update(state)
         self.cast_at = at
 
@@ -272,7 +275,10 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     casts, inner = handle.casts, handle.inner_forward
     if casts is None:
         return _inner_forward(module, inner, args, kwargs)
-    cast_param = handle.cast_param
+    at = handle._cast_at  # handle.cast_param, inlined: two Python calls a step, not four
+    owner = at[0]() if at is not None else None
+    cast_param = (getattr(owner, at[1], None) if owner is not None
+                  else None if at is not None else handle._legacy_param)
     # Cast since (.float(), .to(float64)) or called with other tensors in place
     # (functional_call): the inputs follow the parameters, and half outputs are not forced.
     since = (cast_param.dtype if cast_param is not None

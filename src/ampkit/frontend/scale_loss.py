@@ -344,9 +344,10 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
     # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
-    held_own = bool(held.own_grads)  # (add_back empties the list)
+    held_own = True if held.own_grads else False  # (add_back empties the list; no call)
     apart = False
-    if found_inf is not None and not several:
+    if found_inf is not None and not several and (held_own or (delay and stash.carried_inf
+                                                               is not None)):
         apart = _count_once(held, stash, inv_scale, found_inf, delay)
     if holding:
         _to_this_scale(held, stash, inv_scale, delay)
