@@ -128,6 +128,17 @@ def test_recommend_applies_autotunes_rule_against_the_fp32_row_wherever_it_is():
     assert verdict.recommendation_sentence(none, []).startswith("Recommendation: none.")
 
 
+def test_a_policy_whose_own_median_is_slower_than_fp32s_is_never_recommended():
+    """The rule read only the paired speedup: with 2 rounds, one outlier round (3x faster)
+    made bf16-mixed the recommendation while its step_ms in the same JSON was above fp32's."""
+    fp32 = _result("32-true", [10.0, 10.0], [2.0, 1.0], fp32=True)
+    outlier = _result("bf16-mixed", [11.0, 2.0], [2.0, 1.0])  # median (step_ms) 11 > 10
+    assert outlier["step_ms"] > fp32["step_ms"]
+    rec = recommend([fp32, outlier])
+    assert rec["recommended"] == "32-true"
+    assert rec["rows"][1]["accepted"] is False and "no faster than fp32" in rec["rows"][1]["reason"]
+
+
 # --- the command, on whatever this machine measures ---------------------------------------------
 def _bench(tmp_path, capsys, *argv: str) -> tuple[dict, list[str]]:
     out = tmp_path / "bench.json"
