@@ -566,3 +566,68 @@ def test_the_batch_moves_to_the_device_with_its_structure():
     moved = _to_device(batch, "meta")
     assert [type(v) for v in moved] == [list, Pair, Holder, dict] and moved[1].b == 2
     assert {t.device.type for t in (moved[0][0], moved[1].a, moved[2].x, moved[3]["k"])} == {"meta"}
+
+
+class _Inverse(nn.Module):
+    """torch.linalg.inv has no bf16 kernel on the CPU: trains in fp32 and under bf16-mixed
+    (autocast runs it in fp32), fails under O2-bf16 (its input is bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.fc(x).reshape(-1, 4, 4) + 4 * torch.eye(4, dtype=x.dtype if x.is_floating_point() else None)
+        return torch.linalg.inv(m).flatten(1)
+
+
+def test_a_candidate_that_cannot_run_is_rejected_with_its_error_not_a_crash():
+    """One failing candidate (no bf16 kernel) raised out of autotune; bench left it out."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    result = ampkit.autotune(_Inverse(), x, torch.randn(8, 16), candidates=["O2-bf16"], steps=3)
+    row = next(r for r in result.rows if r["policy"] == "O2-bf16")
+    assert row["accepted"] is False and row["step_ms"] is None
+    assert row["reason"].startswith("failed: RuntimeError:") and "inv" in row["reason"]
+    assert result.policy == "32-true"
+
+
+def test_inside_the_callers_autocast_the_candidates_train_as_outside():
+    """The caller's region kept autocast's cast cache across steps: bf16-mixed trained on
+    stale half weights (a constant loss), and fp32's backward ran under the region."""
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    torch.manual_seed(0)
+    outside = ampkit.autotune(_model(), x, y, candidates=["bf16-mixed"], steps=4, max_loss_dev=1.0)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        inside = ampkit.autotune(_model(), x, y, candidates=["bf16-mixed"], steps=4,
+                                 max_loss_dev=1.0)
+        assert torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()  # left as it was
+    assert [r["max_loss_dev"] for r in inside.rows] == [r["max_loss_dev"] for r in outside.rows]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"optimizer": lambda params: None}, TypeError, r"optimizer returned NoneType None; valid: "
+                                                    r"a callable params -> torch.optim.Optimizer"),
+    ({"loss_fn": lambda out, y: 1.5}, TypeError, r"loss_fn returned float 1.5; valid: a "
+                                                 r"one-element tensor"),
+    ({"loss_fn": lambda out, y: out}, TypeError, r"loss_fn returned Tensor \(16, 4\)"),
+])
+def test_a_bad_optimizer_factory_or_loss_is_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ampkit.autotune(_model(), torch.randn(16, 16), torch.randint(0, 4, (16,)), steps=3,
+                        candidates=["bf16-mixed"], **kwargs)
+
+
+def test_a_policy_object_and_a_torch_device_are_taken_by_their_names():
+    result = ampkit.autotune(_model(), torch.randn(16, 16), torch.randint(0, 4, (16,)), steps=3,
+                             candidates=[ampkit.get_policy("bf16-mixed")],
+                             device=torch.device("cpu"))
+    assert [r["policy"] for r in result.rows] == ["32-true", "bf16-mixed"]
+    import json
+    json.dumps(result.to_dict())
+
+
+def test_autotune_under_inference_mode_is_refused():
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside torch.inference_mode"):
+        ampkit.autotune(_model(), torch.randn(16, 16), torch.randint(0, 4, (16,)), steps=3)

@@ -22,7 +22,7 @@ import copy
 import math
 import statistics
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +41,7 @@ from .fp8 import convert_to_fp8
 from .fp8.convert import selecting
 from .fp8.config import FP8_POLICY_NAMES, fp8_policy_recipe
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
-from .policy import OPT_LEVELS, get_policy
+from .policy import OPT_LEVELS, Policy, get_policy
 from .tune_result import FP8_COMPUTE, ROW_KEYS, TuneResult, fp8_recipe
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -131,27 +131,34 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
         >>> result = autotune(model, x, y, steps=10)  # doctest: +SKIP
         >>> model, opt = result.apply(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("autotune trains each candidate (a backward pass); valid: call it "
+                           "outside torch.inference_mode()")
     names = _check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device,
                         threads)
     _check_inputs(inputs)
     if loss_fn is None:
         check_target(target)
-    device = device or next((p.device.type for p in model.parameters()), default_device_type())
+    device = (str(device) if device is not None else
+              next((p.device.type for p in model.parameters()), default_device_type()))
     names = distinct_candidates([on_device(name, device) for name in names])
     make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     batch = _to_device(inputs, device), _to_device(target, device)
     threads, _ = threads_for(threads, torch.device(device).type, lambda: model)
-    with num_threads(threads), _untouched_state():
+    # The runs train outside any autocast region and no_grad of the caller's, which are
+    # left as they were.
+    with num_threads(threads), _untouched_state(), torch.enable_grad(), \
+            autocast(device, enabled=False):
         layers = {name: _fp8_layers(model, batch[0], device, name) for name in names
                   if fp8_recipe(name) is not None}
         runs = [_Run(name, model, make_opt, device, layers.get(name)) for name in names]
-        trained = [run for run in runs if run.trains]
         rng = RngReplay(torch.device(device))
         for step in range(steps):
             rng.mark()  # each candidate's step draws the same random numbers (dropout)
-            for run in trained:  # interleaved: A B C A B C ...
-                rng.rewind()
-                run.step(batch, loss_fn, timed=step >= 2)
+            for run in runs:  # interleaved: A B C A B C ...
+                if run.trains:
+                    rng.rewind()
+                    run.step(batch, loss_fn, timed=step >= 2)
     measured = [run.row(runs[0].losses) for run in runs]
     rows = [{key: row[key] for key in ROW_KEYS} for row in measured]
     details = [{key: value for key, value in row.items() if key == "policy" or key not in ROW_KEYS}
@@ -193,6 +200,7 @@ def _check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, opti
         raise TypeError(f"candidates must be a policy name or a list of them, got "
                         f"{type(candidates).__name__} {candidates!r}")
     names = list(native_candidates(device) if candidates is None else candidates)
+    names = [str(name) if isinstance(name, Policy) else name for name in names]  # a name each
     if not names:
         raise ValueError("candidates is empty; valid: policy names such as "
                          f"{', '.join(native_candidates(device))}")
@@ -321,8 +329,8 @@ class _Run:
 
     def __init__(self, name: str, model: nn.Module, make_opt: OptimizerFactory, device: str,
                  fp8_layers: Optional[list[LayerTiming]] = None) -> None:
-
         self.name = name
+        self.failed: Optional[str] = None
         recipe = fp8_recipe(name)
         self.fp8_layers = fp8_layers
         self.fp8_modules = faster_fp8_layers(fp8_layers or [])
@@ -337,16 +345,34 @@ class _Run:
         # CUDA: each candidate's own peak, though all share the process; a CPU's RSS cannot
         # be told apart between candidates in one process, so there it is not reported.
         self.memory = MemoryMeter(torch.device(device)) if self.cuda else None
-        with self._tracked():
+        with self._tracked(), self._guarded():
             self.model = copy.deepcopy(model).to(device)
             if recipe is not None:
                 convert_to_fp8(self.model, recipe=recipe,
                                module_filter=selecting(self.model, self.fp8_modules))
             self.optimizer = make_opt(self.model.parameters())
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer returned {type(self.optimizer).__name__} "
+                                f"{self.optimizer!r:.80}; valid: a callable params -> "
+                                "torch.optim.Optimizer")
             apply_policy(self.policy, self.model, self.optimizer)
-        self.scaler = loop_scaler(self.policy, device)
-        self.autocast = autocast(device, dtype=self.policy.compute_dtype if self.policy.autocast
-                                 else torch.float32, enabled=self.policy.autocast)
+            self.scaler = loop_scaler(self.policy, device)
+            self.autocast = autocast(device, dtype=self.policy.compute_dtype
+                                     if self.policy.autocast else torch.float32,
+                                     enabled=self.policy.autocast)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """A candidate that cannot run (an op without a kernel in its dtype) is rejected
+        with its error, as ``ampkit bench`` leaves it out; the fp32 reference's error is
+        the caller's (a bad loss_fn, optimizer or model) and is raised."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - any failure of a candidate's own run
+            if self.name == _REFERENCE:
+                raise
+            self.failed = f"failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+            self.trains = False
 
     def _tracked(self) -> Any:
         return self.memory.track() if self.memory is not None else contextlib.nullcontext()
@@ -355,10 +381,10 @@ class _Run:
              timed: bool) -> None:
         # Each step waits for the device before and after (the candidates take turns).
         synchronize(torch.device(self.device))
-        with self._tracked():
-            times = time_steps(lambda: self._train(batch, loss_fn),
-                                             torch.device(self.device), 1)
-        if timed:
+        times: list[float] = []
+        with self._tracked(), self._guarded():
+            times = time_steps(lambda: self._train(batch, loss_fn), torch.device(self.device), 1)
+        if timed and self.failed is None:
             self.times += times
 
     def _train(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]]) -> None:
@@ -366,16 +392,27 @@ class _Run:
         with self.autocast:
             output = call_model(self.model, inputs)
             loss = (loss_fn or default_loss)(output, target)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn returned {type(loss).__name__} "
+                            f"{tuple(loss.shape) if isinstance(loss, Tensor) else loss!r}; "
+                            "valid: a one-element tensor (the loss to minimize)")
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        # Inside a region of the caller's, autocast's cast cache would outlive the step and
+        # hand the next one stale half copies of the weights.
+        torch.clear_autocast_cache()
         self.losses.append(loss.detach().float())
 
     def row(self, reference: list[Tensor]) -> dict[str, Any]:
         extra = {} if self.fp8_layers is None else {
             "fp8_modules": list(self.fp8_modules),
             "fp8_layers": [timing.to_dict() for timing in self.fp8_layers]}
+        if self.failed is not None:
+            return {"policy": self.name, "step_ms": None, "peak_mib": None,
+                    "max_loss_dev": None, "accepted": False, "reason": self.failed,
+                    "timed_ms": sum(self.times), "timed_steps": len(self.times), **extra}
         if not self.trains:
             return {"policy": self.name, "step_ms": None, "peak_mib": None,
                     "max_loss_dev": None, "accepted": False,
