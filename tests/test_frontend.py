@@ -512,7 +512,8 @@ def test_one_overflow_backs_the_scale_off_once_across_a_delayed_exit(level, clea
     """A delayed exit scaled the grads an earlier exit had unscaled (and flagged) back up,
     and the next exit that did not delay flagged them again: 65536 -> 32768 -> 16384 for
     one overflow (torch's rule on the flags [inf, clean]: 32768, then 32768). Also when a
-    clean exit came between the overflow and the delayed one."""
+    clean exit came between the overflow and the delayed one. (O1 and O3; O2's masters
+    hold the grads apart and never counted twice: a guard there.)"""
     exits = [(0, False, True)] + [(0, False, False)] * clean_first + [(0, True, False),
                                                                       (0, False, False)]
     seen = _scales_through(level, exits)
@@ -530,6 +531,63 @@ def test_an_overflow_in_a_delayed_exit_after_a_counted_one_is_counted_too():
     overflow there is its update's, though the held grads' earlier one is not counted again."""
     seen = _scales_through("O1", [(0, False, True), (0, True, True), (0, False, False)])
     assert [s[0] for s in seen] == [2.0**15, 2.0**15, 2.0**14]
+
+
+@pytest.mark.parametrize("earlier_overflow", [False, True])
+def test_an_overflow_counted_before_the_last_step_never_hides_a_new_one(earlier_overflow):
+    """The flags an exit counted must not outlive the step they skipped: a stale one
+    marked held fp16 grads that a delayed exit scaled past fp16's range as counted, and
+    their inf reached the weights (O3 fp16, two losses; the review of the fix above)."""
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O3", half_dtype=torch.float16,
+                            loss_scale="dynamic", num_losses=2, verbosity=0)
+    x = torch.ones(1, 1, dtype=torch.float16)
+
+    def exit_(loss_id, delay, k, plant=False):
+        with scale_loss(model(x).float().sum() * k, opt, loss_id=loss_id,
+                        delay_unscale=delay) as scaled:
+            scaled.backward()
+            if plant:
+                model.bias.grad.fill_(float("inf"))
+
+    opt.zero_grad()
+    if earlier_overflow:  # counted, and its step skipped
+        exit_(0, False, 1.0, plant=True)
+    else:
+        _amp_state.loss_scalers[0]._loss_scale = 32768.0
+        exit_(0, False, 0.0)
+    opt.step()
+    before = model.bias.detach().clone()
+    opt.zero_grad()
+    exit_(0, True, 0.0)
+    exit_(0, False, 1.5)  # bias grad 1.5, unscaled
+    exit_(1, True, 0.0)   # loss 1's scale, 65536: 1.5 * 65536 is past fp16's range
+    exit_(1, False, 0.0)
+    opt.step()
+    assert torch.equal(model.bias, before)  # skipped: the overflow was counted
+
+
+def test_a_delay_overflow_check_exits_flag_is_not_taken_as_counted():
+    """Its flag neither updates the scale nor skips a step: held grads holding its inf,
+    scaled back up by a delayed exit, must still count at the next exit."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.ones(1, 2)
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    with scale_loss(model(x).float().sum(), opt, delay_overflow_check=True) as scaled:
+        scaled.backward()
+        model.weight.grad[0, 0] = float("inf")
+    for delay in (True, False):
+        with scale_loss(model(x).float().sum(), opt, delay_unscale=delay) as scaled:
+            scaled.backward()
+    opt.step()
+    assert torch.equal(model.weight, before)
+    assert _state.get_active().scalers[0].get_scale() == 2.0**15
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

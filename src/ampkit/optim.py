@@ -58,10 +58,10 @@ class AmpStash:
     delayed_inv: Optional[Tensor] = None
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
-    # One process: the overflow flags of the exits that did not delay since the optimizer's
-    # own grads were last empty, or-ed (their unscaled grads are in them), and, once a
-    # delayed exit scaled those grads back up, that flag (``carried_inf``): their overflow
-    # was counted already.
+    # One process: the overflow flags that exits counted (updated the scale with) since
+    # the optimizer's last step or zero_grad, or-ed: where one is set, that step is
+    # skipped (skip_next, or the fused kernel's found_inf). Once a delayed exit scaled
+    # unscaled grads back up, it is ``carried_inf``: their overflow was counted already.
     last_found_inf: Optional[Tensor] = None
     carried_inf: Optional[Tensor] = None
     # own_params' answer, with the param_groups layout it was computed for.
@@ -262,6 +262,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # Consumed, as apex did: code that zeroes only the model's grads
         # (model.zero_grad()) does not accumulate into the masters.
         masters.clear_master_grads()
+    stash.last_found_inf = stash.carried_inf = None  # the overflows counted for this step
     return result
 
 
@@ -383,6 +384,7 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     stash.grads_unscaled = False
     stash.pending_found_inf = None
     stash.delayed_inv = None
+    stash.last_found_inf = stash.carried_inf = None
 
 
 def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:

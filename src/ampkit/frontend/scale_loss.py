@@ -150,9 +150,10 @@ class _ScaleLoss:
         inv_scale = scaler.inverse_scale() if body is None else body.reciprocal()
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         delay_unscale = self.delay_unscale
+        counts = amp.dynamic and not self.delay_overflow_check  # its flag skips a step
         for stash, entry in zip(stashes, held):
             _take_grads(stash, entry, inv_scale, found_inf, delay=delay_unscale,
-                        several=self.several)
+                        several=self.several, counts=counts)
         window = None
         if self.several and amp.dynamic:
             window = window_for(amp, self.loss_id, scaler, stashes)
@@ -328,7 +329,8 @@ def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
 
 
 def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
-                found_inf: Optional[Tensor], delay: bool, several: bool) -> None:
+                found_inf: Optional[Tensor], delay: bool, several: bool,
+                counts: bool = False) -> None:
     """After the body: unscale what its backward produced for an optimizer (unless
     ``delay``), move the model's half grads into the fp32 masters, add back what was held.
 
@@ -344,10 +346,8 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     # Held grads still scaled join the new ones before the unscale; grads an earlier exit
     # unscaled join after it.
     holding = bool(held.own_grads or held.half_grads)
-    held_own = True if held.own_grads else False  # (add_back empties the list; no call)
     apart = False
-    if found_inf is not None and not several and (held_own or (delay and stash.carried_inf
-                                                               is not None)):
+    if found_inf is not None and not several and held.own_grads:
         apart = _count_once(held, stash, inv_scale, found_inf, delay)
     if holding:
         _to_this_scale(held, stash, inv_scale, delay)
@@ -371,10 +371,11 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
     stash.grads_unscaled = not delay
     stash.delayed_inv = inv_scale if delay else None
     if not delay:
-        # The grads now hold what every exit since they were empty unscaled: its flags.
-        earlier = stash.last_found_inf if held_own else None
-        stash.last_found_inf = (found_inf if earlier is None or found_inf is None else
-                                torch.maximum(earlier.to(found_inf.device), found_inf))
+        # This exit's flag, where it updates the scale (then an overflow skips the step).
+        earlier = stash.last_found_inf
+        if counts and found_inf is not None:
+            stash.last_found_inf = (found_inf if earlier is None else
+                                    torch.maximum(earlier.to(found_inf.device), found_inf))
         stash.carried_inf = None
 
 
@@ -385,15 +386,12 @@ def _count_once(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor], found
     A delayed exit scales the grads an earlier exit unscaled (and checked) back up to its
     own scale, so the next exit that does not delay would unscale and flag them again,
     backing the scale off twice for one overflow. From that delayed exit on
-    (``carried_inf``: the earlier exit's flag), each delayed exit checks its own new grads
-    as it ends, and the exit that does not delay unscales the held grads apart: their
-    overflow counts only where the earlier exit found none (an fp16 grad scaled back up
-    past its range). Returns whether the held grads were unscaled apart (they then join
-    after this exit's unscale)."""
-    if not held.own_grads:
-        if delay:  # the grads it was the flag of are gone (zero_grad): this exit's are new
-            stash.carried_inf = None
-        return False
+    (``carried_inf``: the flags counted since the last step), each delayed exit checks its
+    own new grads as it ends, and the exit that does not delay unscales the held grads
+    apart: their overflow counts only where no overflow was counted since the last step
+    (an fp16 grad scaled back up past its range); where one was, that step is skipped
+    anyway, so nothing non-finite reaches a weight. Returns whether the held grads were
+    unscaled apart (they then join after this exit's unscale)."""
     if inv_scale is None:
         return False
     if delay:
