@@ -203,14 +203,18 @@ class _Frequencies(nn.Module):
 
 
 @pytest.mark.parametrize("policy", ["O3", "16-true"])
-def test_a_pure_half_shard_keeps_buffer_tables_fp32_as_initialize_does(one_rank, policy):
+def test_a_pure_half_shard_warns_of_buffer_tables_as_initialize_does(one_rank, policy):
+    model = Net()
+    model.blocks[0].fc = nn.Sequential(_Frequencies(), nn.Linear(16, 16))
+    with pytest.warns(UserWarning, match=r"ampkit.keep_fp32\(model, \['blocks.0.fc.0'\]\) first"):
+        shard(model, policy)
+    assert model.blocks[0].fc[0].inv_freq.dtype == F16
     model = Net()
     model.blocks[0].fc = nn.Sequential(_Frequencies(), nn.Linear(16, 16))
     freqs = model.blocks[0].fc[0].inv_freq.clone()
-    shard(model, policy)
+    shard(ampkit.keep_fp32(model, ["blocks.0.fc.0"]), policy)  # as the warning advises
     table = model.blocks[0].fc[0]
     assert table.inv_freq.dtype == F32 and torch.equal(table.inv_freq, freqs)
-    assert ampkit.keep.kept_names(model) == ["blocks.0.fc.0"]
     seen = _dtypes_in_forward(model, ["blocks.0.fc.1"])
     assert model(torch.randn(2, 8)).dtype == F16 and seen == {"blocks.0.fc.1": (F16, F16)}
 

@@ -19,7 +19,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from ._select import matching
+from ._select import patterns_selecting
 from ._warn import warn_once
 
 # (attribute, the half dtypes transformers keeps its entries fp32 in)
@@ -90,7 +90,7 @@ def _message(model: nn.Module, declarations: list[str],
             f"precision there), but this policy casts {len(tensors)} of them "
             f"({next(iter(tensors))!r}, ...) to {half}")
     if top:
-        patterns = _patterns(model, top)
+        patterns = patterns_selecting(model, top)
         text += (f"; to keep them fp32 (with the rest of the modules holding them), pass "
                  f"keep_fp32={patterns!r} to ampkit.initialize (or call "
                  f"ampkit.keep_fp32(model, {patterns!r}) first)")
@@ -101,11 +101,3 @@ def _message(model: nn.Module, declarations: list[str],
                  f"itself, and keep_fp32 keeps whole modules: only keeping {whole} would keep "
                  f"{'it' if len(own) == 1 else 'them'}")
     return text
-
-
-def _patterns(model: nn.Module, names: list[str]) -> list[str]:
-    """``keep_fp32`` patterns selecting exactly ``names``: one ``*.<last>`` per last name
-    component where that selects no other module, else the names themselves."""
-    patterns = sorted({f"*.{n.rpartition('.')[2]}" if "." in n else n for n in names})
-    chosen = {hit for pattern in patterns for hit in matching(model, pattern)}
-    return patterns if chosen == set(names) else names

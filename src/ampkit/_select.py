@@ -13,7 +13,7 @@ from torch import nn
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
 Modules = Union[Selector, Sequence[Selector]]
 
-__all__ = ["Modules", "Selector", "as_selectors", "matching"]
+__all__ = ["Modules", "Selector", "as_selectors", "matching", "patterns_selecting"]
 
 
 def matching(model: nn.Module, selector: Selector) -> list[str]:
@@ -25,6 +25,14 @@ def matching(model: nn.Module, selector: Selector) -> list[str]:
     hits = {canonical[id(module)] for name, module in model.named_modules(remove_duplicate=False)
             if _matches(selector, name, module)}
     return [name for name in canonical.values() if name in hits]
+
+
+def patterns_selecting(model: nn.Module, names: list[str]) -> list[str]:
+    """``keep_fp32`` patterns selecting exactly ``names`` (for advice): one ``*.<last>``
+    per last name component where that selects no other module, else the names."""
+    patterns = sorted({f"*.{n.rpartition('.')[2]}" if "." in n else n for n in names})
+    chosen = {hit for pattern in patterns for hit in matching(model, pattern)}
+    return patterns if chosen == set(names) else names
 
 
 def as_selectors(modules: Modules, what: str = "keep_fp32: ") -> list[Selector]:

@@ -27,7 +27,7 @@ from .autocast import region_factory
 from . import keep
 from .convert import BATCHNORM_TYPES, ForwardCasts, conversion_of, convert_model
 from ._declared import warn_declared_fp32
-from ._tables import with_buffer_tables
+from ._tables import warn_buffer_tables
 from .master import ONE_MASTER_RULE, MasterWeights, master_of, release_masters
 from .optim import as_optimizers, stash_of, wrap
 from .policy import Policy, get_policy
@@ -50,14 +50,11 @@ class Plan:
         scalers: one loss scaler per loss, as the policy's loss scaling says.
         explicit_outputs: floating outputs are cast to ``policy.output_dtype`` even where
             the policy alone would not cast them (apex's ``cast_model_outputs``).
-        keep_fp32: per model, the module names ``keep_fp32`` selected and the buffer
-            tables kept with them (None: leave each model's own earlier
-            ``ampkit.keep_fp32`` selection as it is).
+        keep_fp32: per model, the module names ``keep_fp32`` selected (None: leave each
+            model's own earlier ``ampkit.keep_fp32`` selection as it is).
         master_weights: the optimizers step fp32 masters of their half parameters: the
             policy's ``master_weights``, or (apex's ``cast_model_type=False`` under O2)
             masters of half parameters the model already had while its own stay fp32.
-        buffer_tables: per model, the modules kept fp32 because a half cast would change
-            their buffers (``_tables.py``), for the log.
     """
 
     policy: Policy
@@ -68,7 +65,6 @@ class Plan:
     explicit_outputs: bool = False
     keep_fp32: Optional[list[list[str]]] = None
     master_weights: bool = False
-    buffer_tables: Optional[list[list[str]]] = None
 
     def apply(self) -> "Plan":
         """Convert the models and prepare the optimizers; returns self."""
@@ -119,21 +115,12 @@ def plan(policy: Union[Policy, str], models: ModelArg, optimizers: Optional[Opti
     check_params(model_list, opt_list, masters, only_half=not policy.master_weights)
     kept = None if keep_fp32 is None else _select_kept(model_list, keep_fp32)
     if policy.param_dtype in HALF_DTYPES:  # the selection decides which parameters stay fp32
-        selections = kept or [keep.kept_names(m) for m in model_list]
-        for model, names in zip(model_list, selections):
+        for model, names in zip(model_list, kept or [keep.kept_names(m) for m in model_list]):
             keep.check_shared(model, names, policy.param_dtype)
             warn_declared_fp32(model, names, policy.param_dtype)
-        # Buffer tables (rotary frequencies) join the selection: the cast would change them.
-        with_tables = [with_buffer_tables(model, names, policy.param_dtype)
-                       for model, names in zip(model_list, selections)]
-        tables = [[n for n in names if n not in chosen]
-                  for names, chosen in zip(with_tables, selections)]
-        if kept is not None or with_tables != selections:
-            kept = with_tables
-    else:
-        tables = [[] for _ in model_list]
+            warn_buffer_tables(model, names, policy.param_dtype)
     return Plan(policy, model_list, opt_list, device_type, scalers, explicit_outputs, kept,
-                masters, tables)
+                masters)
 
 
 def _select_kept(models: list[nn.Module], modules: keep.Modules) -> list[list[str]]:

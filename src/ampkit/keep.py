@@ -94,7 +94,7 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
     Newly selected modules must still be fp32 throughout (their children too), and the
     root cannot join once a conversion runs the whole forward in its casts or autocast
     region. A module that initialize kept fp32 inside a half model cannot leave the
-    selection: its fp32 parameters (a buffer table's buffers) would get half inputs.
+    selection: its fp32 parameters (or buffers: a table's) would get half inputs.
     """
     added = [n for n in after if n not in before]
     check_not_fp8(model, added)
@@ -122,10 +122,9 @@ def _check_change(model: nn.Module, before: list[str], after: list[str]) -> None
                                            ("buffers", module.buffers()))
                 if any(t.is_floating_point() and t.dtype not in HALF_DTYPES for t in tensors)]
         if fp32:
-            why = ("initialize ran while it was selected" if fp32[0] == "parameters" else
-                   "a buffer table, which initialize keeps")
             raise ValueError(
-                f"keep_fp32: module {name!r} keeps fp32 {fp32[0]} in a half model ({why}), "
+                f"keep_fp32: module {name!r} keeps fp32 {fp32[0]} in a half model (initialize "
+                "ran while it was selected), "
                 "so it cannot leave the selection: it would get half inputs; valid: a "
                 f"selection that still holds it, e.g. {sorted(set(after) | {name})}")
 

@@ -25,7 +25,7 @@ from torch import nn
 from .. import keep
 from .._select import Modules, Selector, as_selectors, matching
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
-from .._tables import with_buffer_tables
+from .._tables import warn_buffer_tables
 from .._torch_compat import fsdp2
 from ..apply import is_sharded
 from ..convert import BATCHNORM_TYPES, cast_model, conversion_of
@@ -125,12 +125,8 @@ def shard(model: nn.Module, policy: Union[Policy, str], *, mesh: Optional["Devic
     # Nothing was modified above this line.
     if pol.param_dtype in HALF_DTYPES and not pol.master_weights:
         # Pure-half policies (O3, "16-true"): the sharded parameters, which the optimizer
-        # steps, are half themselves; fp32 modules, buffer tables (as initialize keeps them)
-        # and (if kept) batch norm stay fp32.
-        names = keep.kept_names(model)
-        with_tables = with_buffer_tables(model, names, pol.param_dtype)
-        if with_tables != names:
-            keep.install(model, with_tables)
+        # steps, are half themselves; fp32 modules and (if kept) batch norm stay fp32.
+        warn_buffer_tables(model, keep.kept_names(model), pol.param_dtype)
         cast_model(model, pol.param_dtype,
                    keep_fp32=BATCHNORM_TYPES if pol.keep_batchnorm_fp32 else (),
                    keep_modules=keep.kept_modules(model))

@@ -88,10 +88,6 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
                level, device_type, policy, len(application.scalers))
-    tables = [name for names in application.buffer_tables or () for name in names]
-    if tables:
-        logger.log(log_level, "ampkit.initialize: kept in fp32, as buffer tables the cast to %s "
-                   "would change (rotary frequencies): %s", policy.param_dtype, tables)
     return models if optimizers is None else (models, optimizers)
 
 
