@@ -669,3 +669,57 @@ def test_keep_vars_masters_say_whether_their_parameter_trains_now():
     trained = {k for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
     assert trained == {"1.weight", "1.bias"}
     assert model.state_dict(keep_vars=True)["1.weight"] is master_of(model[1].weight)
+
+
+def test_a_parametrization_added_since_is_not_evaluated_again_at_each_forward():
+    """The converted forward read the remembered parameter with getattr: a parametrization
+    added since ran once more per forward (spectral_norm: an extra power iteration)."""
+    calls = []
+
+    class Count(nn.Module):
+        def forward(self, weight):
+            calls.append(1)
+            return weight
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    nn.utils.parametrize.register_parametrization(model[0], "weight", Count())
+    calls.clear()
+    assert model(torch.randn(2, 4)).dtype == torch.float32
+    assert len(calls) == 1
+    model.float()  # the inputs still follow the parameter, through the parametrization
+    assert model(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_a_module_shared_by_two_converted_models_keeps_one_set_of_hooks_each():
+    """The module's mark named one conversion: the other re-hooked it at every save."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    opt = torch.optim.SGD(list(a.parameters()) + list(b[1].parameters()), lr=0.1)
+    initialize([a, b], opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    count = _hook_count(shared)
+    for _ in range(3):
+        a.load_state_dict(a.state_dict())
+        b.load_state_dict(b.state_dict())
+    assert _hook_count(shared) == count
+
+
+def test_a_submodule_saved_alone_carries_no_other_module():
+    """Its hooks held the conversion, whose handles and remembered parameter reached every
+    module: torch.save of a 2x1000 head wrote the 1000x1000 layer too (2 MB)."""
+    import io
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    out = io.BytesIO()
+    torch.save(model[2], out)
+    assert len(out.getvalue()) < 50_000  # the head's own 2,002 bf16 values, and pickle
+    copy = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, 1000)
+    assert torch.equal(copy(x), model(x))
+    copy.float()  # the copy finds the parameter its inputs follow by its path
+    assert copy(x).dtype == torch.float32 and copy[0].weight.dtype == torch.float32

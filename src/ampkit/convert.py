@@ -11,9 +11,10 @@ without stale casts. What a conversion installs:
   cost more host time per call (about 20 us on a CPU) than the casts and the region
   together. It is shaped like a bound method (``__func__``, ``__self__``, ``__wrapped__``
   for ``inspect.signature``), so code that wraps ``model.forward`` again keeps the casts;
-* state-dict hooks (half models): ``model.state_dict()`` holds fp32 tensors (the fp32
-  master of a parameter when it has one, so a checkpoint resumes bitwise), and
-  ``model.load_state_dict()`` writes the loaded fp32 values into the masters as well.
+* state-dict hooks (half models; ``_state_dict_hooks.py``): ``model.state_dict()`` holds
+  fp32 tensors (the fp32 master of a parameter when it has one, so a checkpoint resumes
+  bitwise), and ``model.load_state_dict()`` writes the loaded fp32 values into the
+  masters as well.
 """
 
 from __future__ import annotations
@@ -22,30 +23,19 @@ import inspect
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree
-from ._torch_compat import (
-    AfterApply,
-    BatchNormBase,
-    local_buffers,
-    local_parameters,
-    register_load_state_dict_post_hook,
-    register_load_state_dict_pre_hook,
-    register_state_dict_post_hook,
-    register_state_dict_pre_hook,
-    swaps_params_on_load,
-)
-from .master import master_of, resume_after_swap, suspend_for_swap
+from ._torch_compat import AfterApply, BatchNormBase, local_parameters
+from ._state_dict_hooks import Hooks
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
 BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (BatchNormBase,)
 _HANDLE_ATTR = "_ampkit_convert_handle"
-_HOOKED_ATTR = "_ampkit_state_dict_hooks"  # on each module: the conversion that hooked it
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -133,13 +123,16 @@ class ConvertHandle:
     tensors in its place (``torch.func.functional_call`` with the fp32 state dict).
     """
 
-    _cast_at: Optional[tuple["weakref.ref[nn.Module]", str]] = None  # class defaults: handles
-    _legacy_param: Optional[Tensor] = None
-    param_dtype: torch.dtype = torch.float32  # pickled before these
+    # (the module weakly, the attribute, the module's parameter dict): read as a dict, so
+    # a parametrization added since is not evaluated for it at every forward.
+    _cast_at: Optional[tuple["weakref.ref[nn.Module]", str, dict]] = None
+    _cast_path: Optional[str] = None  # "module.path:attribute", from a pickle, not resolved yet
+    _legacy_param: Optional[Tensor] = None  # class defaults: handles pickled before these
+    param_dtype: torch.dtype = torch.float32
 
     def __init__(self, model: nn.Module) -> None:
         self._model: Optional[weakref.ref] = weakref.ref(model)
-        self.handles: list[RemovableHandle] = []
+        self.hooks = Hooks()  # the fp32 state-dict hooks (half models)
         self.casts: Optional[ForwardCasts] = None
         self.inner_forward: Optional[Callable[..., Any]] = None
         self._cast_at = None
@@ -147,45 +140,61 @@ class ConvertHandle:
 
     @property
     def cast_at(self) -> Optional[tuple[nn.Module, str]]:
-        if self._cast_at is None:
-            return None
-        module = self._cast_at[0]()
+        module = self._cast_at[0]() if self._cast_at is not None else None
         return None if module is None else (module, self._cast_at[1])
 
     @cast_at.setter
     def cast_at(self, at: Optional[tuple[nn.Module, str]]) -> None:
         # Weakly: the module may be the model, which holds this handle.
-        self._cast_at = None if at is None else (weakref.ref(at[0]), at[1])
+        self._cast_at = (None if at is None else
+                         (weakref.ref(at[0]), at[1], local_parameters(at[0])))
 
     @property
     def cast_param(self) -> Optional[Tensor]:
-        at = self.cast_at
-        if at is None:
-            return self._legacy_param
-        return getattr(at[0], at[1], None)
+        return _cast_param(self, self._cast_at)
+
+    def resolve(self, model: nn.Module) -> None:
+        """After unpickling: find the remembered parameter in ``model`` by its path."""
+        where, _, name = (self._cast_path or "").rpartition(":")
+        self._cast_path = None
+        self._model = weakref.ref(model)
+        try:
+            self.cast_at = (model.get_submodule(where), name)
+        except AttributeError:  # the model changed since: inputs follow the policy
+            self._cast_at = None
+
+    @property
+    def handles(self) -> list[RemovableHandle]:
+        """The state-dict hooks' handles (empty once removed)."""
+        return self.hooks.handles
 
     def __setstate__(self, state: dict) -> None:
-        at = state.pop("cast_at", None)
-        # A handle pickled before cast_at held the parameter itself.
+        # A handle pickled before cast_at held the parameter itself, before Hooks its
+        # hooks' handles.
         self._legacy_param = state.pop("cast_param", None)
+        legacy = state.pop("handles", None)
         self.__dict__.update(state)
-        self.cast_at = at
+        if "hooks" not in state:
+            self.hooks = Hooks(legacy or [])
 
     def __getstate__(self) -> dict:
         # A weak reference does not pickle; an unpickled model finds its handle through
-        # its own attribute (conversion_of), so the copy needs none.
-        return {"_model": None, "handles": self.handles, "casts": self.casts,
-                "inner_forward": self.inner_forward, "cast_at": self.cast_at,
+        # its own attribute (conversion_of), so the copy needs none. The parameter goes by
+        # its path in the model: a submodule pickled alone must not carry another's.
+        model = self._model() if self._model is not None else None
+        at, path = self.cast_at, self._cast_path
+        if at is not None and model is not None:
+            path = next((f"{name}:{at[1]}" for name, m in model.named_modules() if m is at[0]),
+                        None)
+        return {"_model": None, "hooks": self.hooks, "casts": self.casts,
+                "inner_forward": self.inner_forward, "_cast_path": path,
                 "param_dtype": self.param_dtype}
 
     def remove(self) -> None:
         """Remove every hook and the converted forward (the parameters keep their dtype)."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
         model = self._model() if self._model is not None else None
+        self.hooks.remove(model)
         if model is not None:
-            _unmark(model, self)
             _restore_forward(model, self)
             if getattr(model, _HANDLE_ATTR, None) is self:
                 delattr(model, _HANDLE_ATTR)
@@ -203,7 +212,7 @@ def remove_conversion(model: nn.Module) -> None:
     if handle is not None:
         # (an unpickled copy's handle has no model to ask)
         _restore_forward(model, handle)
-        _unmark(model, handle)
+        handle.hooks.remove(model)
         handle.remove()
         if getattr(model, _HANDLE_ATTR, None) is handle:
             delattr(model, _HANDLE_ATTR)
@@ -244,7 +253,7 @@ def convert_model(model: nn.Module, *, param_dtype: torch.dtype = torch.float32,
                                for name, p in local_parameters(module).items()
                                if p is not None and p.dtype == param_dtype), None)
     if param_dtype in HALF_DTYPES:
-        _hook_modules(model.modules(), handle)
+        handle.hooks.install(model.modules())
     if casts.active:
         _install_forward_casts(model, casts, handle)
     setattr(model, _HANDLE_ATTR, handle)
@@ -275,10 +284,14 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     casts, inner = handle.casts, handle.inner_forward
     if casts is None:
         return _inner_forward(module, inner, args, kwargs)
-    at = handle._cast_at  # handle.cast_param, inlined: two Python calls a step, not four
-    owner = at[0]() if at is not None else None
-    cast_param = (getattr(owner, at[1], None) if owner is not None
-                  else None if at is not None else handle._legacy_param)
+    at = handle._cast_at
+    if at is None and handle._cast_path is not None:
+        handle.resolve(module)  # once, after unpickling
+        at = handle._cast_at
+    # handle.cast_param, inlined: one Python call a step
+    cast_param = at[2].get(at[1]) if at is not None else handle._legacy_param
+    if cast_param is None and at is not None:
+        cast_param = _cast_param(handle, at)
     # Cast since (.float(), .to(float64)) or called with other tensors in place
     # (functional_call): the inputs follow the parameters, and half outputs are not forced.
     since = (cast_param.dtype if cast_param is not None
@@ -298,6 +311,21 @@ def converted_forward(handle: ConvertHandle, module: nn.Module, *args: Any, **kw
     if output.__class__ is Tensor:  # the usual output, cast without the tree walk
         return cast_tensor(output, dtype) if output.is_floating_point() and output.dtype != dtype else output
     return cast_floating(output, dtype)
+
+
+def _cast_param(handle: ConvertHandle, at: Optional[tuple]) -> Optional[Tensor]:
+    """What the remembered parameter's slot holds now: the parameter (or functional_call's
+    tensor in its place), or, parametrized since, the original the parametrization keeps
+    (read, not evaluated)."""
+    if at is None:
+        return handle._legacy_param
+    found = at[2].get(at[1])
+    owner = at[0]() if found is None else None
+    if owner is not None:
+        parametrizations = owner.__dict__.get("_modules", {}).get("parametrizations")
+        if parametrizations is not None and at[1] in parametrizations:
+            found = parametrizations[at[1]].original
+    return found
 
 
 def _inner_forward(module: nn.Module, inner: Optional[Callable[..., Any]], args: tuple,
@@ -381,135 +409,3 @@ class _ConvertedForward(BoundForward):
 
     def __repr__(self) -> str:
         return f"<ampkit converted forward of {type(self.__self__).__name__}>"
-
-
-# --- state-dict hooks ---------------------------------------------------------------------
-class _Descend:
-    """A save's or load's pre-hook on every module of a conversion: hooks the module's
-    children that the conversion has not hooked yet (added since ``initialize``: a new
-    head whose half parameters ``add_param_group`` gave masters, torch's parametrization
-    container), just before torch descends into them."""
-
-    def __init__(self, handle: ConvertHandle) -> None:
-        self.handle = handle
-
-    def before_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        _hook_modules(module.children(), self.handle)
-
-    def before_load(self, module: nn.Module, *_: Any) -> None:
-        _hook_modules(module.children(), self.handle)
-
-
-def _hook_modules(modules: Iterable[nn.Module], handle: ConvertHandle) -> None:
-    """Per-module hooks, so ``model.state_dict()`` and ``model.sub.state_dict()`` both work,
-    on each of ``modules`` not hooked by ``handle`` yet (marked with it).
-
-    The assign check comes first: a load's first hook runs on the module it was called
-    on, before anything is loaded."""
-    descend = _Descend(handle)
-    for module in modules:
-        if module.__dict__.get(_HOOKED_ATTR) is handle:
-            continue
-        module.__dict__[_HOOKED_ATTR] = handle  # pickles and deep-copies with the module
-        handle.handles += [register_load_state_dict_pre_hook(module, _refuse_assign),
-                           register_state_dict_pre_hook(module, descend.before_save),
-                           register_load_state_dict_pre_hook(module, descend.before_load),
-                           register_state_dict_post_hook(module, _save_fp32),
-                           register_load_state_dict_pre_hook(module, _load_into_masters),
-                           register_load_state_dict_post_hook(module, _after_load)]
-
-
-def _unmark(model: nn.Module, handle: ConvertHandle) -> None:
-    for module in model.modules():
-        if module.__dict__.get(_HOOKED_ATTR) is handle:
-            del module.__dict__[_HOOKED_ATTR]
-
-
-def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    for name, param in local_parameters(module).items():
-        key = prefix + name
-        if param is None or key not in state_dict:
-            continue
-        master = master_of(param)
-        keep_vars = state_dict[key] is param  # state_dict(keep_vars=True): the variables
-        if master is None:
-            value = _fp32(state_dict[key])
-            # An fp32 copy of a half parameter still says whether it trains, as the
-            # parameter would (``{k: v ... if v.requires_grad}`` picks the trained ones).
-            state_dict[key] = (value.requires_grad_(param.requires_grad)
-                               if keep_vars and value is not param else value)
-        else:
-            # The fp32 master, not the half parameter rounded from it: the exact training
-            # state; with keep_vars the master itself, the variable the optimizer steps,
-            # saying whether it trains as the parameter says now (frozen or unfrozen since).
-            if keep_vars and master.requires_grad != param.requires_grad:
-                master.requires_grad_(param.requires_grad)
-            state_dict[key] = master if keep_vars else master.detach()
-    for name, buf in local_buffers(module).items():
-        key = prefix + name
-        if buf is not None and key in state_dict:
-            state_dict[key] = _fp32(state_dict[key])
-
-
-def _fp32(tensor: Tensor) -> Tensor:
-    return tensor.detach().float() if tensor.dtype in HALF_DTYPES else tensor
-
-
-def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
-                   *_: Any) -> None:
-    """``load_state_dict(assign=True)`` would put new tensors in place of half parameters
-    whose fp32 masters the optimizer steps: training would never reach the model again
-    (nor its state_dict the masters). Refused before anything is loaded."""
-    if not prefix:  # the first hook of a load: what a load that raised left goes
-        _LOADING.clear()
-    if not local_metadata.get("assign_to_params_buffers", False):
-        return
-    if any(master_of(param) is not None for param in module.parameters()):
-        raise ValueError(
-            f"load_state_dict(assign=True) on {type(module).__name__}, whose half parameters "
-            "have fp32 masters (O2): it would replace the parameters the masters write "
-            "into, and training would no longer reach the model; valid: assign=False (the "
-            "values are copied into the masters and the half parameters), or assign=True "
-            "before ampkit.initialize. Nothing was loaded")
-
-
-# The state dict each module's load reads, from its pre-hook to its post-hook. The values
-# go into the masters in the pre-hook, as torch is about to load them into the parameters,
-# and again in the post-hook, after every pre-hook of the load has run: a user's hook
-# registered after initialize (renaming keys, resizing a position table) has changed them
-# by then, as torch loaded them. A load that raises before a module's post-hook leaves
-# its entry (and the state dict) here until the next load begins.
-_LOADING: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, str]]" = weakref.WeakKeyDictionary()
-
-
-def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
-                       strict: bool, missing_keys: list, unexpected_keys: list,
-                       error_msgs: list) -> None:
-    _copy_into_masters(module, state_dict, prefix)
-    _LOADING[module] = (state_dict, prefix)
-    if swaps_params_on_load():
-        params = [param for param in local_parameters(module).values() if param is not None]
-        suspend_for_swap(params)  # until _after_load: swap_tensors refuses weak references
-
-
-def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    resume_after_swap()
-    state_dict, prefix = _LOADING.pop(module, (None, ""))
-    if state_dict is not None:
-        _copy_into_masters(module, state_dict, prefix)
-
-
-def _copy_into_masters(module: nn.Module, state_dict: dict, prefix: str) -> None:
-    """The loaded values of ``module``'s own half parameters into their masters. torch
-    copies each into its parameter (rounding to nearest, as the master -> model copy after
-    a step does), so model == half(master) holds."""
-    with torch.no_grad():
-        for name, param in local_parameters(module).items():
-            value = state_dict.get(prefix + name)
-            master = master_of(param) if param is not None else None
-            if master is None or not isinstance(value, Tensor):
-                continue
-            if master.dim() == 0 and value.dim() == 1:
-                value = value[0]  # torch loads a (1,) value into a 0-dim parameter too
-            if value.shape == master.shape:  # else torch refused it as well
-                master.copy_(value)
