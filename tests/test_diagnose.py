@@ -839,3 +839,68 @@ def test_watch_of_a_model_run_by_several_threads_finds_the_first_nonfinite_modul
         model(torch.randn(1, 8))  # the one non-finite output, after all the others
     assert w.first_nonfinite == ("forward", "bad")
     assert w.nonfinite() == [("forward", "bad"), ("forward", "last"), ("forward", "")]
+
+
+class _FrozenEncoderProbe(nn.Module):
+    """An eval-mode, frozen TransformerEncoder with a padding mask returns a nested tensor
+    inside (torch's fast path), and a trainable head (linear probing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2,
+                                         enable_nested_tensor=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x, src_key_padding_mask=mask).mean(1))
+
+
+def _probe_batch():
+    torch.manual_seed(0)
+    model = _FrozenEncoderProbe()
+    model.enc.eval().requires_grad_(False)
+    x = torch.randn(2, 6, 16)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[1, 3:] = True
+    return model, x, mask
+
+
+def test_watch_and_inspect_take_nested_tensor_outputs():
+    """aminmax and the cast counts have no nested-tensor kernel: watch and inspect raised
+    NotImplementedError on a model that runs without them."""
+    model, x, mask = _probe_batch()
+    with torch.no_grad(), watch(model) as w:
+        model(x, mask)
+    assert w.first_nonfinite is None
+    with watch(model) as w:
+        model(x, mask).sum().backward()
+    assert w.first_nonfinite is None
+    report = inspect(model, (x, mask), torch.tensor([0, 1]), policy="32-true")
+    assert all(m.out_sqnr_db == math.inf for m in report.modules if m.out_sqnr_db is not None)
+
+
+def test_a_loss_of_shape_1_is_taken_as_a_scalar():
+    """It passed the one-element check, then failed reading the losses (nested lists)."""
+    model = nn.Linear(4, 2)
+    report = inspect(model, torch.randn(3, 4), torch.randn(3, 2), policy="bf16-mixed",
+                     loss_fn=lambda out, y: ((out - y) ** 2).mean().reshape(1))
+    assert json.dumps(report.to_dict())
+
+
+def test_advice_names_the_model_itself_as_model_not_empty_quotes():
+    """The gradient overflow and underflow rules printed the root's name as ''."""
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(16))
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.lin(x * self.scale)
+
+    torch.manual_seed(0)
+    for batch, policy in (((torch.randn(8, 16) * 300, torch.randn(8, 4)), "16-mixed"),
+                          ((torch.randn(8, 16) * 1e-4, torch.randn(8, 4) * 1e-6), "O3")):
+        advice = inspect(Root(), *batch, policy=policy).advice
+        assert any(sentence.startswith("'<model>' has") for sentence in advice), advice
+        assert not any(sentence.startswith("'' ") for sentence in advice)

@@ -174,7 +174,7 @@ def _grad_overflow(modules: list[ModuleStats], ctx: Context,
         if _beyond_half(m.name, ctx) or ctx.loss_scale <= 1:
             sentence = _fix(m.name, ctx, problem + _beyond_half(m.name, ctx))
         else:
-            sentence = f"{m.name!r} {problem}: lower init_scale ({_lower_scale(ctx)})."
+            sentence = f"{m.name or '<model>'!r} {problem}: lower init_scale ({_lower_scale(ctx)})."
         out.append((m.name, sentence))
     return out
 
@@ -197,7 +197,7 @@ def _grad_underflow(modules: list[ModuleStats], ctx: Context,
         action = f"raise init_scale above {ctx.loss_scale:g} (GradScaler(init_scale=...))"
     if ctx.bf16_policy is not None:
         action += f", or switch fp16 -> bf16 (policy {ctx.bf16_policy!r})"
-    return [(m.name, f"{m.name!r} has {m.grad_underflow:.2%} of its nonzero gradients flush to "
+    return [(m.name, f"{m.name or '<model>'!r} has {m.grad_underflow:.2%} of its nonzero gradients flush to "
                      f"zero in {dtype_name(ctx.half_dtype)} at the initial loss scale "
                      f"{ctx.loss_scale:g}: {action}.") for m in hits[:PER_RULE]]
 

@@ -234,7 +234,7 @@ def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
                f"{type(loss).__name__} {reprlib.repr(loss)}")
         raise ValueError(f"the loss must be a tensor with one element, got {got}; valid: "
                          "a scalar loss (reduce it, e.g. .mean())")
-    return loss
+    return loss.reshape(())  # a (1,) loss too: its value is read as a number
 
 
 def _backward(loss: Tensor, scale: float = 1.0) -> None:
@@ -330,7 +330,7 @@ def _install(model: nn.Module, table: dict[str, _Module], setup: _Setup,
 
 
 def _floats(output: Any) -> list[Tensor]:
-    return [t for t in iter_tensors(output) if t.is_floating_point()]
+    return [nx.dense_values(t) for t in iter_tensors(output) if t.is_floating_point()]
 
 
 def _record_reference(name: str, module: nn.Module, output: Any,

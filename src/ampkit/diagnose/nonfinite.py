@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._dtypes import iter_tensors
 from .._torch_compat import compiled_code_eager, sparse_values, uncompiled
 from ._regions import autocast_off
+from .numerics import dense_values
 
 FORWARD, BACKWARD = "forward", "backward"
 _PHASES = (FORWARD, BACKWARD)
@@ -240,7 +241,10 @@ class Watch:
 
 def _stored_values(tensor: Tensor) -> Tensor:
     """The values a sparse tensor stores (a sparse gradient: nn.Embedding(sparse=True));
-    the tensor itself when it is dense. Its implicit zeros are finite."""
+    the tensor itself when it is dense; a nested tensor's values, flat. Its implicit zeros
+    are finite."""
+    if tensor.is_nested:
+        return dense_values(tensor)
     if tensor.layout == torch.strided:
         return tensor
     if tensor.layout == torch.sparse_coo:

@@ -38,6 +38,15 @@ def cast_counts(ref: Tensor, dtype: torch.dtype) -> Tensor:
                         finite.sum(), (finite & cast.isinf()).sum()]).double()
 
 
+def dense_values(tensor: Tensor) -> Tensor:
+    """A nested tensor's values as one flat dense tensor (nn.TransformerEncoder's output
+    with a padding mask in eval mode); any other tensor as it is. Reductions and casts
+    counted over a nested tensor would raise (no kernel for them)."""
+    if not tensor.is_nested:
+        return tensor
+    return torch.cat([part.reshape(-1) for part in tensor.unbind()])
+
+
 def stored_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a value of ``dtype`` is counted against: itself when narrower than fp32
     (fp16, bf16, fp8), else fp32 (fp32 and wider hold every fp32 reference value).
