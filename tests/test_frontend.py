@@ -1446,10 +1446,6 @@ def test_o3_fp16_fused_adagrad_with_an_eps_fp16_rounds_to_zero_is_warned_about()
         model, opt = initialize(model, opt, opt_level="O3", half_dtype=torch.float16, verbosity=0)
     said = [str(w.message) for w in caught if "rounds to 0 in fp16" in str(w.message)]
     assert len(said) == 1 and "Adagrad" in said[0] and "fused Adagrad does not" in said[0]
-    model.weight.grad = torch.zeros_like(model.weight)
-    model.bias.grad = torch.zeros_like(model.bias)
-    opt.step()
-    assert not model.weight.isfinite().all()  # what the warning foretells (torch 2.13)
 
 
 @pytest.mark.parametrize("level, half", [("O2", torch.float16), ("O3", torch.bfloat16)])

@@ -309,9 +309,11 @@ def test_another_programs_dcp_checkpoint_is_not_replaced(capsys, no_launch, tmp_
     (folder / "__0_0.distcp").write_bytes(b"x")
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder))
     assert "holds '.metadata'" in line and "not part of a checkpoint of ampkit train" in line
-    tmp = tmp_path / "run.tmp"  # what a save killed before its record leaves: removed
-    tmp.mkdir()
-    (tmp / "__0_0.distcp").write_bytes(b"x")
+    # What a killed save leaves at PATH.tmp (before its record) or PATH.old (while it
+    # removed the previous checkpoint): ampkit's scratch, removed by the run.
+    for scratch in ("run.tmp", "run.old"):
+        (tmp_path / scratch).mkdir()
+        (tmp_path / scratch / "__0_0.distcp").write_bytes(b"x")
     from ampkit.bench.train_parallel import check_checkpoint_dir
 
     check_checkpoint_dir(str(tmp_path / "run"), resume=False)

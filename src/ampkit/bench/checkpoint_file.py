@@ -75,12 +75,14 @@ def check_replaceable(path: str) -> None:
     a large file is told quickly."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        ours = isinstance(record, dict) and str(record.get("format", "")).startswith(
-            "ampkit-train")
-    except Exception:  # noqa: BLE001 - not a torch.save archive, or not of ours
-        ours = False
+    ours = False
+    for mmap in (True, False):  # (a file system without mmap: read it whole)
+        try:
+            record = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception:  # noqa: BLE001 - not a torch.save archive, or not of ours
+            continue
+        ours = isinstance(record, dict) and record.get("format") in (FORMAT, _UNSEALED_FORMAT)
+        break
     if not ours:
         raise UsageError(f"--checkpoint {path!r} exists and is not a checkpoint of ampkit "
                          "train, and the run would overwrite it; valid: a new path, or the "

@@ -64,7 +64,9 @@ def check_checkpoint_dir(path: str, resume: bool) -> None:
         read_meta(path, verify=False)  # the files' digests: once, in check_parallel_train
         return
     for where in (path, path + ".tmp", path + ".old"):  # the run replaces or removes these
-        foreign = _foreign_entries(where, record=not where.endswith(".tmp"))
+        # PATH.tmp and PATH.old are ampkit's own scratch: a save killed before its record,
+        # or while it removed the previous checkpoint, leaves DCP files there without one.
+        foreign = _foreign_entries(where, record=where == path)
         if foreign:
             raise UsageError(
                 f"--checkpoint {path!r}: {where!r} holds {foreign[0]!r}, which is not part of "
@@ -86,7 +88,9 @@ def _foreign_entries(folder: str, record: bool) -> list[str]:
     checkpoint; only a save killed before its record, at PATH.tmp, leaves them so)."""
     if not os.path.lexists(folder):
         return []
-    if not os.path.isdir(folder) or os.path.islink(folder):
+    if os.path.islink(folder):
+        return [f"{os.path.basename(folder)} (a link)"]
+    if not os.path.isdir(folder):
         return [os.path.basename(folder)]
     names = os.listdir(folder)
     foreign = sorted(name for name in names if not (
