@@ -28,10 +28,10 @@ from ._torch_compat import is_compiling
 from .convert import BoundForward
 
 
-class _Fp32Region:
+class Fp32Region:
     """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion).
 
-    ``traced_by_forward``: while dynamo traces, the module's :class:`_KeptForward` is the
+    ``traced_by_forward``: while dynamo traces, the module's :class:`KeptForward` is the
     region (False for a model pickled before it had one: the hooks stay the region).
     ``around``: a parameter of the model around the module that a policy cast to half
     (None: none), whose dtype outputs computed from no floating input go back to
@@ -99,9 +99,9 @@ class _Fp32Region:
         return around if around in HALF_DTYPES else None
 
 
-class _KeptForward(BoundForward):
+class KeptForward(BoundForward):
     """``module.forward`` of a kept module: the forward it had, called as is eagerly (the
-    hooks of :class:`_Fp32Region` are the region); while dynamo traces, inside ``with
+    hooks of :class:`Fp32Region` are the region); while dynamo traces, inside ``with
     torch.autocast(device, enabled=False)`` where autocast is on (see the module docstring).
 
     Shaped like a bound method (:class:`ampkit.convert.BoundForward`), as ampkit's
@@ -152,20 +152,20 @@ class _KeptForward(BoundForward):
         return f"<ampkit keep_fp32 forward of {type(self.__self__).__name__}>"
 
 
-def _kept_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _kept_forward(kept: KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """What ``kept`` does for ``module`` (``kept.__func__``; ``kept()`` inlines it)."""
     if is_compiling() and kept.active:
         return _traced_forward(kept, module, args, kwargs)
     return _inner_forward(kept, module, args, kwargs)
 
 
-def _inner_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _inner_forward(kept: KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     if kept.inner is not None:
         return kept.inner(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
 
 
-def _traced_forward(kept: _KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _traced_forward(kept: KeptForward, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """The forward while dynamo traces: autocast off in a with statement where it is on
     (the pre-hook already cast the inputs), with the dtype the eager region sets.
 

@@ -26,12 +26,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES
-# The region classes by these names too: models pickled before they moved name them here.
-from ._kept_region import _Fp32Region, _KeptForward
+from ._kept_region import Fp32Region, KeptForward
 from ._select import Modules, Selector, as_selectors, matching
 from .convert import conversion_of
 
 _ATTR = "_ampkit_keep_fp32"
+# The region classes by the names they had here: models pickled before they moved.
+_Fp32Region, _KeptForward = Fp32Region, KeptForward
 
 
 class _Kept:
@@ -39,11 +40,11 @@ class _Kept:
     them."""
 
     # Class defaults: records pickled before these existed.
-    forwards: Sequence["_KeptForward"] = ()
-    regions: Sequence["_Fp32Region"] = ()
+    forwards: Sequence["KeptForward"] = ()
+    regions: Sequence["Fp32Region"] = ()
 
     def __init__(self, names: list[str], handles: list[RemovableHandle],
-                 forwards: Sequence["_KeptForward"], regions: Sequence["_Fp32Region"]) -> None:
+                 forwards: Sequence["KeptForward"], regions: Sequence["Fp32Region"]) -> None:
         self.names = names
         self.handles = handles
         self.forwards = forwards
@@ -223,17 +224,17 @@ def install(model: nn.Module, names: Iterable[str]) -> None:
     if not names:
         return
     handles: list[RemovableHandle] = []
-    forwards: list[_KeptForward] = []
-    regions: list[_Fp32Region] = []
+    forwards: list[KeptForward] = []
+    regions: list[Fp32Region] = []
     for name in names:
-        region = _Fp32Region(traced_by_forward=True)
+        region = Fp32Region(traced_by_forward=True)
         regions.append(region)
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(region.enter, with_kwargs=True,
                                                         prepend=True))
         handles.append(module.register_forward_hook(region.leave, prepend=True,
                                                     always_call=True))
-        forwards.append(_KeptForward(module, module.__dict__.get("forward")))
+        forwards.append(KeptForward(module, module.__dict__.get("forward")))
         module.forward = forwards[-1]  # type: ignore[method-assign]
     setattr(model, _ATTR, _Kept(names, handles, forwards, regions))
     follow_conversion(model)
