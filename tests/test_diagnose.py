@@ -904,3 +904,21 @@ def test_advice_names_the_model_itself_as_model_not_empty_quotes():
         advice = inspect(Root(), *batch, policy=policy).advice
         assert any(sentence.startswith("'<model>' has") for sentence in advice), advice
         assert not any(sentence.startswith("'' ") for sentence in advice)
+
+
+def test_a_model_changing_its_input_in_place_sees_the_same_batch_in_both_passes():
+    """Both passes shared the caller's storage: the reference pass's x.mul_(2) gave the
+    policy pass another batch (SQNR 0 dB under 32-true) and changed the caller's tensor."""
+    class Doubles(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x.mul_(2))
+
+    x = torch.randn(3, 4)
+    before = x.clone()
+    report = inspect(Doubles(), x, torch.randn(3, 2), policy="32-true")
+    assert all(m.out_sqnr_db == math.inf for m in report.modules)
+    assert torch.equal(x, before)

@@ -124,15 +124,16 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     """
     model = uncompiled(model)  # torch.compile(model): its modules, by their own names
     setup = _prepare(model, inputs, policy, loss_fn)
-    # The caller's tensors are only read: a backward through them would write their .grad.
-    inputs, target = _detached(inputs), _detached(target)
+    # The caller's tensors are only read: each pass has its own detached copy (a backward
+    # through them would write their .grad; a model that changes its input in place,
+    # x.mul_(2) or Dropout(inplace=True) first, would give the second pass another batch).
     # Both passes outside the caller's autocast regions: the reference is fp32 and the
     # policy pass runs in the policy's own region only. Compiled code runs eagerly: it
     # would skip the hooks that record each module (and compile the FLOP counter).
     with replayable_rng(setup.device) as rng, autocast_off(), compiled_code_eager():
-        table, ref_loss = _reference_pass(model, inputs, target, setup)
+        table, ref_loss = _reference_pass(model, _copied(inputs), _copied(target), setup)
         rng.rewind()
-        return _policy_pass(model, inputs, target, setup, table, ref_loss)
+        return _policy_pass(model, _copied(inputs), _copied(target), setup, table, ref_loss)
 
 
 # --- validation ----------------------------------------------------------------------------
@@ -221,10 +222,10 @@ def _copy(model: nn.Module) -> nn.Module:
                         f"({type(err).__name__}: {err}); valid: a deep-copyable nn.Module") from err
 
 
-def _detached(value: Any) -> Any:
-    """``value`` with every tensor in it detached (same storage, no autograd history),
-    its containers and dataclass instances rebuilt as :func:`map_tensors` rebuilds them."""
-    return map_tensors(value, Tensor.detach)
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it a detached copy (no autograd history, storage of
+    its own), its containers and dataclass instances rebuilt as :func:`map_tensors` does."""
+    return map_tensors(value, lambda tensor: tensor.detach().clone())
 
 
 def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
