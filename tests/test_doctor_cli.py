@@ -61,6 +61,18 @@ def unseeded():
 
 def sized(batch_size=0):
     return nn.Linear(4, 2), (torch.randn(batch_size, 4), torch.randn(batch_size, 2))
+
+SEEN_TRAINING = []
+
+class Recorder(nn.Linear):
+    def forward(self, x):
+        SEEN_TRAINING.append(self.training)
+        return super().forward(x)
+
+def eval_backbone():
+    model = nn.Sequential(Recorder(4, 4), nn.Linear(4, 2))
+    model[0].eval()
+    return model, (torch.randn(3, 4), torch.randn(3, 2))
 '''
 
 
@@ -281,3 +293,13 @@ def test_an_unknown_policy_lists_only_what_doctor_runs(capsys):
 def test_fp8_dash_without_a_recipe_is_refused(capsys):
     line = usage_error(capsys, "--model", "mlp", "--policy", "fp8-", "--quiet")
     assert "'fp8-'" in line and "fp8-tensorwise" in line
+
+
+def test_doctor_keeps_the_modes_the_function_built_the_model_with(capsys, user_models):
+    """The doctor put the whole model in training mode: a backbone returned in eval mode
+    on purpose was diagnosed in training mode (inspect keeps the modes it is given)."""
+    import importlib
+
+    assert main(["doctor", "--model", f"{user_models}:eval_backbone", "--quiet"]) == 0
+    seen = importlib.import_module(user_models).SEEN_TRAINING
+    assert seen and not any(seen)

@@ -631,3 +631,23 @@ def test_a_policy_object_and_a_torch_device_are_taken_by_their_names():
 def test_autotune_under_inference_mode_is_refused():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside torch.inference_mode"):
         ampkit.autotune(_model(), torch.randn(16, 16), torch.randint(0, 4, (16,)), steps=3)
+
+
+def test_a_model_changing_its_input_in_place_trains_every_candidate_on_the_same_batch():
+    """The one batch tensor was reused: x.mul_(1.5) left the caller's x scaled 11x after
+    three candidates of three steps, and each candidate saw another batch."""
+    class Scales(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(x.mul_(1.5))
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 16)
+    before = x.clone()
+    result = ampkit.autotune(Scales(), x, torch.randint(0, 4, (16,)), steps=3,
+                             candidates=["32-true", "O0"], max_loss_dev=0.0)
+    assert torch.equal(x, before)
+    assert result.rows[0]["max_loss_dev"] == 0.0

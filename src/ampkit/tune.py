@@ -257,6 +257,9 @@ class _Run:
     def step(self, batch: tuple[Any, Any], loss_fn: Optional[Callable[..., Tensor]],
              timed: bool) -> None:
         # Each step waits for the device before and after (the candidates take turns).
+        # Its own copy of the batch, made before the step is timed: a model that changes
+        # its input in place must not hand the next candidate another batch.
+        batch = map_tensors(batch, torch.Tensor.clone)
         synchronize(torch.device(self.device))
         times: list[float] = []
         with self._tracked(), self._guarded():

@@ -105,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
     torch.manual_seed(args.seed)
-    model = workload.build().to(device).train()
+    # The modes the model was built with (a user function's eval-mode frozen backbone
+    # stays in eval mode, as inspect keeps the modes it is given).
+    model = workload.build().to(device)
     inputs, targets = workload.batches(torch.device(device))[0]
     with out_report.Progress(enabled=show) as progress:
         result = _inspect(model, inputs, targets, workload.loss_fn, policy,
