@@ -922,3 +922,30 @@ def test_a_model_changing_its_input_in_place_sees_the_same_batch_in_both_passes(
     report = inspect(Doubles(), x, torch.randn(3, 2), policy="32-true")
     assert all(m.out_sqnr_db == math.inf for m in report.modules)
     assert torch.equal(x, before)
+
+
+def test_watch_over_many_steps_keeps_one_hook_on_a_leaf_passed_in_every_step():
+    """A learned query passed to a child module every step got one more tensor hook per
+    step, and every backward fired all of them (quadratic: 9M events by step 3000)."""
+    class Query(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(4))
+            self.attend = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.attend(self.query) * x
+
+    model = Query()
+    with watch(model) as w:
+        model(torch.randn(4)).sum().backward()
+        first = len(model.query._backward_hooks or {})  # its own (a parameter's) and one input's
+        for _ in range(19):
+            model(torch.randn(4)).sum().backward()
+        hooks = len(model.query._backward_hooks or {})
+        events = len(w._flags.codes)
+    assert hooks == first == 2
+    with watch(model) as w1:
+        model(torch.randn(4)).sum().backward()
+    assert events == 20 * len(w1._flags.codes)  # as many events each step
+    assert w.first_nonfinite is None and not model.query._backward_hooks

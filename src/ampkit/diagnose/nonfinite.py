@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._dtypes import iter_tensors
-from .._torch_compat import compiled_code_eager, sparse_values, uncompiled
+from .._torch_compat import compiled_code_eager, sparse_values, tensor_version, uncompiled
 from ._regions import autocast_off
 from .numerics import dense_values
 
@@ -232,11 +232,19 @@ class Watch:
             if cell is not None and self._inside(index, cell[0]):
                 cell[0] = index  # an outer module took it first: the inner one owns it
                 continue
-            cell = [index]
+            leaf = tensor.grad_fn is None
+            if (cell is not None and cell[0] == index
+                    and (leaf or cell[1] == tensor_version(tensor))):
+                # The same module takes it again (a learned query passed in every step,
+                # the same batch): its hook is there already. A leaf's hook sees every
+                # backward; an intermediate changed in place since needs one of its own.
+                continue
+            cell = [index, tensor_version(tensor)]
             self._cells[tensor] = cell
-            # Removed at exit (a leaf input, say the user's x, would keep it for good);
-            # a hook left on an intermediate's graph node is a no-op once closed.
-            self._handles.append(tensor.register_hook(functools.partial(self._on_input_grad, cell)))
+            hook = tensor.register_hook(functools.partial(self._on_input_grad, cell))
+            if leaf:  # removed at exit (a leaf input, say the user's x, would keep it)
+                self._handles.append(hook)
+            # (a hook left on an intermediate's graph node goes with it, a no-op once closed)
 
 
 def _stored_values(tensor: Tensor) -> Tensor:
