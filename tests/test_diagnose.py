@@ -949,3 +949,30 @@ def test_watch_over_many_steps_keeps_one_hook_on_a_leaf_passed_in_every_step():
         model(torch.randn(4)).sum().backward()
     assert events == 20 * len(w1._flags.codes)  # as many events each step
     assert w.first_nonfinite is None and not model.query._backward_hooks
+
+
+def test_flops_count_cpu_attention_and_oneDNN_rnn_layers():
+    """torch's FLOP formulas have none for the CPU's flash attention or oneDNN's RNN layer:
+    an LSTM reported no FLOPs, and attention only its projections."""
+    from ampkit.diagnose.flops import FlopCounter
+
+    q = torch.randn(2, 4, 16, 8)
+    with FlopCounter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert counter.flops == {"float32": 2 * (2 * 2 * 4 * 16 * 16 * 8)}  # QK^T and AV
+    lstm, x = nn.LSTM(8, 16), torch.randn(5, 3, 8)
+    with FlopCounter() as counter:
+        lstm(x)
+    assert counter.flops == {"float32": 2 * 5 * 3 * (4 * 16 * 8 + 4 * 16 * 16)}
+
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(8, 16)
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    report = inspect(Seq(), x, policy="bf16-mixed")
+    assert report.flops.get("bfloat16", 0) > 0 and report.low_precision_share > 0.9

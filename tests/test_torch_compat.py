@@ -274,6 +274,28 @@ def _aten_to_copy() -> None:
     _check("aten_to_copy", tc.aten_to_copy in ops, f".to(float16) dispatched {ops}")
 
 
+def _cpu_fused_ops() -> None:
+    """The CPU kernels the FLOP counter has formulas for: what attention and an LSTM with
+    a backward dispatch on the CPU (packets, with the argument order the formulas read)."""
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    lstm = torch.nn.LSTM(8, 16)
+    x = torch.randn(3, 2, 8)
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+        lstm(x)[0].sum().backward()
+
+    packets = {op.overloadpacket for op in _ops_seen(run)}
+    for name in ("cpu_attention", "cpu_attention_backward", "rnn_layer", "rnn_layer_backward"):
+        _check(name, getattr(tc, name) in packets, f"not dispatched by attention and an LSTM "
+               f"on the CPU: {sorted(str(p) for p in packets)}")
+    schema = [a.name for a in tc.rnn_layer.default._schema.arguments]
+    _check("rnn_layer", schema[:3] == ["input", "weight0", "weight1"], f"takes {schema}")
+    schema = [a.name for a in tc.cpu_attention_backward.default._schema.arguments]
+    _check("cpu_attention_backward", schema[:4] == ["grad_out", "query", "key", "value"],
+           f"takes {schema}")
+
+
 def _unsafe_view() -> None:
     base = torch.arange(6.0)
     out = tc.unsafe_view(base, (2, 3))
@@ -630,6 +652,8 @@ CHECKS: dict[str, Callable[[], None]] = {
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
+    "cpu_attention": _cpu_fused_ops, "cpu_attention_backward": _cpu_fused_ops,
+    "rnn_layer": _cpu_fused_ops, "rnn_layer_backward": _cpu_fused_ops,
     "unsafe_view": _unsafe_view, "make_wrapper_subclass": _wrapper_subclass,
     "disabled_torch_function_impl": _wrapper_subclass, "tree_map_only": _wrapper_subclass,
     "tree_leaves": _wrapper_subclass, "op_mutates": _wrapper_subclass,

@@ -50,7 +50,8 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy",
+    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
+    "rnn_layer_backward",
     "unsafe_view", "uncompiled", "compiled_code_eager", "compile_tracing",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
@@ -365,6 +366,13 @@ class EagerDispatchMode(TorchDispatchMode):  # type: ignore[misc,valid-type]
 
 # The aten op ``.to(dtype)`` dispatches to (a dispatch mode sees fp8 widened to fp32); 1.10.
 aten_to_copy = _entry("torch.ops.aten._to_copy.default")
+# CPU kernels torch's flop_registry has no formula for (torch 2.13): flash attention on the
+# CPU and oneDNN's RNN layer, forward and backward. Private ops; in every supported release.
+cpu_attention = _entry("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")
+cpu_attention_backward = _entry(
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward")
+rnn_layer = _entry("torch.ops.aten.mkldnn_rnn_layer")
+rnn_layer_backward = _entry("torch.ops.aten.mkldnn_rnn_layer_backward")
 # (tensor, shape): a reshape whose result is not a view, as torch's linear and matmul return
 # theirs (Float8Linear's output: FSDP2 hooks module outputs, which views would lose); 1.0.
 unsafe_view = _entry("torch.ops.aten._unsafe_view.default")

@@ -4,7 +4,8 @@ A ``TorchDispatchMode`` sees every aten op below autocast, so an op autocast cas
 bf16 is seen with bf16 operands and one it kept in fp32 with fp32 ones. The FLOPs of
 each op come from torch's own formulas (``torch.utils.flop_counter.flop_registry``:
 mm, addmm, bmm, baddbmm, convolution and its backward, ``_scaled_mm``, attention;
-2*M*N*K per matmul), so forward and backward are both counted.
+2*M*N*K per matmul), and ampkit's for the CPU kernels torch has none for (flash attention
+on the CPU, oneDNN's RNN layer), so forward and backward are both counted.
 
 Emulated fp8: where there are no fp8 tensor cores, ``Float8Linear`` widens its fp8
 operands to fp32 and multiplies those; such a matmul is counted under the fp8 dtype its
@@ -18,12 +19,32 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._torch_compat import EagerDispatchMode, aten_to_copy
+from .._torch_compat import (EagerDispatchMode, aten_to_copy, cpu_attention,
+                             cpu_attention_backward, rnn_layer, rnn_layer_backward)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _rnn_layer_flops(inputs: Tensor, w_ih: Tensor, w_hh: Tensor) -> int:
+    """One RNN layer over a sequence: per time step and sample, the input and hidden
+    matmuls of every gate (the weights' shapes hold the gate count: 4 LSTM, 3 GRU)."""
+    steps_by_batch = inputs.numel() // w_ih.shape[1]
+    return 2 * steps_by_batch * (w_ih.numel() + w_hh.numel())
+
+
+# Formulas for the CPU kernels torch's flop_registry has none for (its formulas otherwise):
+# flash attention on the CPU (transformers' attention there) and oneDNN's RNN layer (nn.LSTM,
+# nn.GRU on the CPU), backward twice the forward's matmuls.
+_EXTRA_FORMULAS = {
+    cpu_attention: lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
+    cpu_attention_backward: lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(
+        grad.shape, q.shape, k.shape, v.shape),
+    rnn_layer: lambda x, w_ih, w_hh, *_, **__: _rnn_layer_flops(x, w_ih, w_hh),
+    rnn_layer_backward: lambda x, w_ih, w_hh, *_, **__: 2 * _rnn_layer_flops(x, w_ih, w_hh),
+}
 
 
 class FlopCounter(EagerDispatchMode):
@@ -54,6 +75,9 @@ class FlopCounter(EagerDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             self._counts[self._dtype_name(args)] += int(formula(*args, **kwargs, out_val=out))
+        elif func.overloadpacket in _EXTRA_FORMULAS:
+            flops = _EXTRA_FORMULAS[func.overloadpacket](*args, **kwargs)
+            self._counts[self._dtype_name(args)] += int(flops)
         elif func is aten_to_copy and isinstance(args[0], Tensor) and args[0].dtype in FP8_DTYPES:
             self._widened[out] = args[0].dtype
         return out
