@@ -966,6 +966,28 @@ def test_an_o1_model_pickled_by_an_earlier_version_still_runs():
     assert got.dtype is want.dtype is F32 and torch.equal(got, want)
 
 
+def test_an_o2_model_pickled_by_an_earlier_version_saves_loads_and_reinitializes():
+    """tests/data/o2_bf16_model_c472f34.pt: torch.save of an O2 (bf16) model by ampkit at
+    commit c472f34, whose state-dict hooks lived in ampkit.convert and whose conversion
+    remembered its parameter itself: moving the hooks made it unloadable."""
+    path = Path(__file__).parent / "data" / "o2_bf16_model_c472f34.pt"
+    loaded = torch.load(path, weights_only=False)
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    initialize(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), opt_level="O2",
+               half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    assert torch.equal(loaded(x), fresh(x)) and loaded(x).dtype is F32
+    state = loaded.state_dict()
+    assert {v.dtype for v in state.values()} == {F32}
+    loaded.load_state_dict(state)
+    loaded.float()
+    assert loaded(x).dtype is F32 and loaded[0].weight.dtype is F32
+    initialize(loaded, torch.optim.SGD(loaded.parameters(), lr=0.1), opt_level="O2",
+               half_dtype=torch.bfloat16, verbosity=0)
+    assert loaded[0].weight.dtype is torch.bfloat16 and loaded.state_dict()["0.weight"].dtype is F32
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_an_initialized_model_pickles_like_a_plain_one(level):
     model = _model()

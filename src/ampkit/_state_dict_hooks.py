@@ -52,7 +52,7 @@ class Hooks:
         on, before anything is loaded."""
         descend = _Descend(self.token)
         for module in modules:
-            marks = module.__dict__.get(_HOOKED_ATTR, [])
+            marks = _marks(module)
             if any(mark is self.token for mark in marks):
                 continue
             # Pickles and deep-copies with the module; a module shared by two converted
@@ -71,12 +71,18 @@ class Hooks:
             handle.remove()
         self.handles.clear()
         for module in model.modules() if model is not None else ():
-            marks = [mark for mark in module.__dict__.get(_HOOKED_ATTR, [])
-                     if mark is not self.token]
+            marks = [mark for mark in _marks(module) if mark is not self.token]
             if marks:
                 module.__dict__[_HOOKED_ATTR] = marks
             else:
                 module.__dict__.pop(_HOOKED_ATTR, None)
+
+
+def _marks(module: nn.Module) -> list["_Token"]:
+    """The tokens of the conversions that hooked ``module`` (an earlier build marked it
+    with one object, not a list of tokens: none of today's)."""
+    marks = module.__dict__.get(_HOOKED_ATTR)
+    return marks if isinstance(marks, list) else []
 
 
 class _Token:
@@ -98,6 +104,10 @@ class _Descend:
 
     def __init__(self, token: _Token) -> None:
         self.token = token
+
+    def __setstate__(self, state: dict) -> None:
+        # An earlier build held the conversion itself: its copy finds no conversion.
+        self.token = state.get("token")
 
     def before_save(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         hooks = _LIVE.get(self.token)

@@ -31,11 +31,17 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree
 from ._torch_compat import AfterApply, BatchNormBase, local_parameters
+from . import _state_dict_hooks
 from ._state_dict_hooks import Hooks
 
 # apex kept batch-norm layers (and only those) in fp32 under O2; SyncBatchNorm is one too.
 BATCHNORM_TYPES: tuple[type[nn.Module], ...] = (BatchNormBase,)
 _HANDLE_ATTR = "_ampkit_convert_handle"
+# The state-dict hooks by the names they had here: models pickled before they moved.
+_save_fp32 = _state_dict_hooks._save_fp32
+_refuse_assign = _state_dict_hooks._refuse_assign
+_load_into_masters = _state_dict_hooks._load_into_masters
+_after_load = _state_dict_hooks._after_load
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -169,11 +175,14 @@ class ConvertHandle:
         return self.hooks.handles
 
     def __setstate__(self, state: dict) -> None:
-        # A handle pickled before cast_at held the parameter itself, before Hooks its
-        # hooks' handles.
+        # A handle pickled before cast_at held the parameter itself, one pickled before
+        # _cast_path the (module, name) pair, one before Hooks its hooks' handles.
         self._legacy_param = state.pop("cast_param", None)
+        at = state.pop("cast_at", None)
         legacy = state.pop("handles", None)
         self.__dict__.update(state)
+        if at is not None:
+            self.cast_at = at
         if "hooks" not in state:
             self.hooks = Hooks(legacy or [])
 
