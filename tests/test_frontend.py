@@ -569,6 +569,32 @@ def test_an_overflow_counted_before_the_last_step_never_hides_a_new_one(earlier_
     assert torch.equal(model.bias, before)  # skipped: the overflow was counted
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_grads_a_fused_step_skipped_on_the_device_are_checked_again_without_zero_grad(level):
+    """A fused step skips on the device and keeps its inf grads; the next scale_loss,
+    without zero_grad, added them back after its check, and the step applied them."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    model, opt = initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                            verbosity=0)
+    x = torch.ones(1, 2)
+
+    def exit_(plant):
+        with scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+            if plant:
+                model.weight.grad[0, 0] = float("inf")
+
+    opt.zero_grad()
+    exit_(True)
+    opt.step()  # skipped by the fused kernel
+    assert model.weight.isfinite().all()
+    exit_(False)  # onto the kept grads: no zero_grad in between
+    opt.step()
+    assert model.weight.isfinite().all()
+
+
 def test_a_delay_overflow_check_exits_flag_is_not_taken_as_counted():
     """Its flag neither updates the scale nor skips a step: held grads holding its inf,
     scaled back up by a delayed exit, must still count at the next exit."""

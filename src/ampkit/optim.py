@@ -64,6 +64,9 @@ class AmpStash:
     # unscaled grads back up, it is ``carried_inf``: their overflow was counted already.
     last_found_inf: Optional[Tensor] = None
     carried_inf: Optional[Tensor] = None
+    # A step ran since the last zero_grad: the grads still held may be a step's that a
+    # fused kernel skipped on the device (inf/NaN), which no exit checked since.
+    stepped: bool = False
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
@@ -263,6 +266,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         # (model.zero_grad()) does not accumulate into the masters.
         masters.clear_master_grads()
     stash.last_found_inf = stash.carried_inf = None  # the overflows counted for this step
+    stash.stepped = True
     return result
 
 
@@ -385,6 +389,7 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     stash.pending_found_inf = None
     stash.delayed_inv = None
     stash.last_found_inf = stash.carried_inf = None
+    stash.stepped = False
 
 
 def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:

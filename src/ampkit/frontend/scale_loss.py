@@ -364,6 +364,12 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
                                keep=keep)
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
+    if holding and held.own_grads and stash.stepped and found_inf is not None and not delay:
+        # Grads kept through a step (no zero_grad since): a fused kernel may have skipped
+        # them on the device for their inf/NaN, unseen here; checked again, as torch's
+        # GradScaler checks every grad it unscales.
+        unscale_grads_([grad for _, grad in held.own_grads],
+                       torch.ones((), device=found_inf.device), found_inf)
     if holding:
         held.add_back(own=True, half=False)
     # What the optimizer's own grads now hold; a delayed exit leaves them scaled. Set on
