@@ -137,6 +137,7 @@ def test_a_policy_whose_own_median_is_slower_than_fp32s_is_never_recommended():
     rec = recommend([fp32, outlier])
     assert rec["recommended"] == "32-true"
     assert rec["rows"][1]["accepted"] is False and "no faster than fp32" in rec["rows"][1]["reason"]
+    assert rec["rows"][1]["speedup"] == pytest.approx(10 / 11)  # the JSON agrees with itself
 
 
 # --- the command, on whatever this machine measures ---------------------------------------------

@@ -190,7 +190,9 @@ def test_a_file_of_the_users_is_never_overwritten_by_a_checkpoint(capsys, tmp_pa
     notes.write_text("mine")
     weights = tmp_path / "pretrained.pt"
     torch.save({"weight": torch.ones(2)}, weights)
-    for path in (notes, weights):
+    lookalike = tmp_path / "trainer.pt"  # a format name that only starts like ampkit's
+    torch.save({"format": "ampkit-trainer-notes"}, lookalike)
+    for path in (notes, weights, lookalike):
         assert main(RESUME[:-2] + ["--epochs", "1", "--checkpoint", str(path)]) == 2
         line = capsys.readouterr().err.strip()
         assert f"--checkpoint {str(path)!r} exists and is not a checkpoint of ampkit train" in line

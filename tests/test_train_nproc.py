@@ -8,8 +8,10 @@ the command in this process too (its ranks are torchrun's processes) and are mar
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -309,11 +311,30 @@ def test_another_programs_dcp_checkpoint_is_not_replaced(capsys, no_launch, tmp_
     (folder / "__0_0.distcp").write_bytes(b"x")
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder))
     assert "holds '.metadata'" in line and "not part of a checkpoint of ampkit train" in line
-    # What a killed save leaves at PATH.tmp (before its record) or PATH.old (while it
-    # removed the previous checkpoint): ampkit's scratch, removed by the run.
-    for scratch in ("run.tmp", "run.old"):
-        (tmp_path / scratch).mkdir()
-        (tmp_path / scratch / "__0_0.distcp").write_bytes(b"x")
-    from ampkit.bench.train_parallel import check_checkpoint_dir
+    from ampkit.bench.train_parallel import _remove_checkpoint, check_checkpoint_dir
 
+    # What a save killed before its record leaves at PATH.tmp: ampkit's scratch, removed.
+    (tmp_path / "run.tmp").mkdir()
+    (tmp_path / "run.tmp" / "__0_0.distcp").write_bytes(b"x")
     check_checkpoint_dir(str(tmp_path / "run"), resume=False)
+    # PATH.old without a record is another program's: its record goes last when ampkit
+    # removes its own (a kill midway leaves the record), so the run refuses it.
+    (tmp_path / "run.old").mkdir()
+    (tmp_path / "run.old" / "__0_0.distcp").write_bytes(b"x")
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(tmp_path / "run"))
+    assert "run.old' holds '__0_0.distcp'" in line and "would remove that folder" in line
+    (tmp_path / "run.old" / META).write_text("{}")
+    check_checkpoint_dir(str(tmp_path / "run"), resume=False)
+    removed = []
+    real_remove = os.remove
+    with mock.patch("os.remove", side_effect=lambda p: removed.append(os.path.basename(p))
+                    or real_remove(p)):
+        _remove_checkpoint(str(tmp_path / "run.old"))
+    assert removed == ["__0_0.distcp"] and not (tmp_path / "run.old").exists()
+
+
+def test_a_linked_checkpoint_folder_is_named_as_a_link(capsys, no_launch, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "real")
+    line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(tmp_path / "run"))
+    assert f"{str(tmp_path / 'run')!r} is a link" in line and "valid: a real folder path" in line

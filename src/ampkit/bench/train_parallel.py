@@ -20,6 +20,7 @@ previous checkpoint whole.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -64,9 +65,13 @@ def check_checkpoint_dir(path: str, resume: bool) -> None:
         read_meta(path, verify=False)  # the files' digests: once, in check_parallel_train
         return
     for where in (path, path + ".tmp", path + ".old"):  # the run replaces or removes these
-        # PATH.tmp and PATH.old are ampkit's own scratch: a save killed before its record,
-        # or while it removed the previous checkpoint, leaves DCP files there without one.
-        foreign = _foreign_entries(where, record=where == path)
+        if os.path.islink(where):
+            raise UsageError(f"--checkpoint {path!r}: {where!r} is a link, and the run would "
+                             "replace or remove it; valid: a real folder path")
+        # PATH.tmp is ampkit's scratch: a save killed before its record leaves DCP files
+        # there without one. PATH.old always has its record (_remove_checkpoint takes it
+        # last), so DCP files there without one are another program's.
+        foreign = _foreign_entries(where, record=not where.endswith(".tmp"))
         if foreign:
             raise UsageError(
                 f"--checkpoint {path!r}: {where!r} holds {foreign[0]!r}, which is not part of "
@@ -88,8 +93,6 @@ def _foreign_entries(folder: str, record: bool) -> list[str]:
     checkpoint; only a save killed before its record, at PATH.tmp, leaves them so)."""
     if not os.path.lexists(folder):
         return []
-    if os.path.islink(folder):
-        return [f"{os.path.basename(folder)} (a link)"]
     if not os.path.isdir(folder):
         return [os.path.basename(folder)]
     names = os.listdir(folder)
@@ -366,11 +369,27 @@ def _save(trainer: RankTrainer, path: str) -> None:
 def _replace(tmp: str, path: str) -> None:
     """Put the folder ``tmp`` at ``path``; the previous checkpoint goes only once it is there."""
     old = path + ".old"
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_checkpoint(old)
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_checkpoint(old)
+
+
+def _remove_checkpoint(folder: str) -> None:
+    """Remove a checkpoint folder, its run record last: one that a kill interrupted still
+    has its record, so the next run knows it for ampkit's (and removes it)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if name != META:
+            entry = os.path.join(folder, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(entry)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _shared_fp8_histories(path: str) -> bool:
