@@ -58,15 +58,12 @@ class AmpStash:
     delayed_inv: Optional[Tensor] = None
     # Overflow found by delayed scale_loss exits, checked by the next exit that does not delay.
     pending_found_inf: Optional[Tensor] = None
-    # One process: the overflow flags that exits counted (updated the scale with) since
-    # the optimizer's last step or zero_grad, or-ed: where one is set, that step is
-    # skipped (skip_next, or the fused kernel's found_inf). Once a delayed exit scaled
-    # unscaled grads back up, it is ``carried_inf``: their overflow was counted already.
+    # One process: the or-ed overflow flags exits counted (updated the scale with) since
+    # the last step or zero_grad, whose step is therefore skipped; ``carried_inf`` once a
+    # delayed exit scaled unscaled grads back up (their overflow was counted already).
     last_found_inf: Optional[Tensor] = None
     carried_inf: Optional[Tensor] = None
-    # A step ran since the last zero_grad: the grads still held may be a step's that a
-    # fused kernel skipped on the device (inf/NaN), which no exit checked since.
-    stepped: bool = False
+    stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
@@ -185,12 +182,10 @@ def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) 
     foreach steps compute in fp16: the square of a gradient below about 5e-3 underflows
     to a zero second moment, and the update divides by ``sqrt(0) + 0``: inf or NaN
     reaches the weight at the first step, which no loss scale can catch (apex's O3 did
-    the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused
-    Adam or AdamW step computes in fp32 and is spared; fused Adagrad (a CPU kernel) is not:
-    its vectorized part writes NaN for a zero gradient (torch 2.11, 2.13: 16 elements or more).
+    the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused Adam
+    or AdamW step computes in fp32 and is spared; fused Adagrad (a CPU kernel) is not.
     """
-    spared = bool(getattr(optimizer, "defaults", {}).get("fused")) and not isinstance(
-        optimizer, torch.optim.Adagrad)
+    spared = not isinstance(optimizer, torch.optim.Adagrad)  # (its fused groups)
     for group in groups:
         eps = group.get("eps")
         if (not (group.get("fused") and spared) and isinstance(eps, (int, float))

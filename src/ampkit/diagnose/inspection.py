@@ -124,12 +124,10 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     """
     model = uncompiled(model)  # torch.compile(model): its modules, by their own names
     setup = _prepare(model, inputs, policy, loss_fn)
-    # The caller's tensors are only read: each pass has its own detached copy (a backward
-    # through them would write their .grad; a model that changes its input in place,
-    # x.mul_(2) or Dropout(inplace=True) first, would give the second pass another batch).
-    # Both passes outside the caller's autocast regions: the reference is fp32 and the
-    # policy pass runs in the policy's own region only. Compiled code runs eagerly: it
-    # would skip the hooks that record each module (and compile the FLOP counter).
+    # The caller's tensors are only read: each pass gets its own detached copy (no .grad
+    # for them; an in-place model gives both passes the same batch). Both passes run
+    # outside the caller's autocast regions, compiled code eagerly (it would skip the hooks
+    # that record each module, and compile the FLOP counter).
     with replayable_rng(setup.device) as rng, autocast_off(), compiled_code_eager():
         table, ref_loss = _reference_pass(model, _copied(inputs), _copied(target), setup)
         rng.rewind()

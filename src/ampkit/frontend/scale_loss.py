@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -11,11 +10,12 @@ from torch import Tensor, nn
 
 from .. import _state
 from .._checks import check_bool
-from .._torch_compat import foreach_add_, foreach_mul_
+from .._torch_compat import foreach_mul_
 from ..apply import OptimizerArg
-from ..optim import AmpStash, own_params, stash_of
+from ..optim import AmpStash, stash_of
 from ..scaler import GradScaler, unscale_grads_
-from .overflow import Window, or_flag, report_overflows, update, window_for
+from .held import Held, Started, set_aside
+from .overflow import or_flag, report_overflows, update, window_for
 from .scale_loss_args import check_scale_loss, require_initialized, warn_if_replaced
 
 def scale_loss(loss: Tensor, optimizers: OptimizerArg, loss_id: int = 0,
@@ -101,7 +101,7 @@ class _ScaleLoss:
         scaled = scaler.scale(loss) if scaler is not None else loss
         window = amp.scale_windows.get(loss_id) if amp.scale_windows else None
         several = self.several = _several_processes()
-        held = self.held = [_set_aside(opt, stash, scaler, window, several)
+        held = self.held = [set_aside(opt, stash, scaler, window, several)
                             for opt, stash in zip(self.opts, self.stashes)]
         self.body_scale = None
         if several and scaler is not None:  # grads held in place
@@ -110,16 +110,16 @@ class _ScaleLoss:
                 scaled = loss * self.body_scale
         for entry in held:  # a loop, not any(): this runs every step
             if entry.in_place and scaled.requires_grad:
-                started = _Started()  # whether a raising body's backward began (restore)
+                started = Started()  # whether a raising body's backward began (restore)
                 scaled.register_hook(started)
                 for each in held:
                     each.started = started
                 break
         return scaled
 
-    def _scale_held_up(self, scaler: GradScaler, held: list[_Held]) -> None:
+    def _scale_held_up(self, scaler: GradScaler, held: list[Held]) -> None:
         """Bring the grads held in place to this body's scale: the loss's, or at most the
-        scale they were made at (``_Held.cap``), then kept in ``body_scale``."""
+        scale they were made at (``Held.cap``), then kept in ``body_scale``."""
         body = scaler.scale_tensor()
         caps = [entry.cap for entry in held if entry.cap is not None]
         if caps:
@@ -183,152 +183,7 @@ def _count_fixed_step(amp: _state.ActiveAmp, loss_id: int, stashes: list[AmpStas
         amp.fixed_unskipped[loss_id] += 1
 
 
-@dataclass(eq=False)
-class _Held:
-    """What an optimizer's params held when a scale_loss body began.
-
-    In one process the held grads are set aside (``own_grads``, ``half_grads``), so the
-    body's backward writes only its own gradients: they are unscaled apart from grads an
-    earlier exit unscaled, and dropped alone if the body raises. In a run of several
-    processes they stay on the params instead (``in_place``): with DDP's ``no_sync()`` the
-    reducer all-reduces ``.grad`` itself at the synchronizing backward, so an accumulation
-    must be there whole. Grads still scaled then take the backward as they are, and grads
-    an earlier exit unscaled are first scaled up in place by this loss's scale
-    (``rescaled``; exact for a power-of-two scale), so the exit unscales them all together.
-    The scale stays the same through an accumulation there (:class:`.overflow.Window`), and
-    a body runs at most at the scale its held grads were made at (``cap``: another loss's
-    larger scale could overflow fp16 grads scaled up past it; ``scale_up``).
-    Nothing is held after a zero_grad: the usual case costs nothing.
-
-    ``own``: the params the optimizer steps itself; ``half``: the half model params behind
-    its fp32 masters (their held grads are always still scaled). ``started``: set once the
-    scaled loss's backward began (watched only while grads are held in place).
-    """
-
-    own: list[Tensor]
-    half: list[Tensor]
-    own_grads: list[tuple[Tensor, Tensor]]
-    half_grads: list[tuple[Tensor, Tensor]]
-    own_unscaled: bool
-    rescaled: list[Tensor]
-    inv_scale: Optional[Tensor] = None
-    in_place: bool = False
-    started: Optional["_Started"] = None
-    retagged: list[Tensor] = field(default_factory=list)
-    retag_undo: Optional[Tensor] = None
-    copies: list[Tensor] = field(default_factory=list)  # masters holding copies of ``half``'s
-    # Several processes: the scale the held grads were made at (``tag_scale``), an upper
-    # bound on the body's scale (``cap``: fp16 grads scaled up past it could overflow), and
-    # whether grads still scaled by another window's scale must be brought to the body's.
-    tag_scale: Optional[Tensor] = None
-    cap: Optional[Tensor] = None
-    retag: bool = False
-
-    def scale_up(self, body: Tensor) -> None:
-        """Before the body (in place, several processes): bring the held grads to the
-        body's scale ``body``: unscaled ones (``rescaled``) up by it, grads still scaled by
-        another window's scale (``retagged``) by ``body / tag_scale``."""
-        if not (self.rescaled or self.retag):
-            return
-        with torch.no_grad():
-            if self.rescaled:
-                foreach_mul_(self.rescaled, body)
-                self.inv_scale = body.reciprocal()
-            if self.retag:
-                ratio = body / self.tag_scale.to(body.device)
-                foreach_mul_(self.retagged, ratio)
-                self.retag_undo = ratio.reciprocal()
-
-    def restore(self) -> None:
-        """The body raised: undo what it did to these grads.
-
-        Grads set aside come back as they were. Grads held in place are as they were if
-        the backward had not begun (the scaling up is undone); after it began, the failed
-        backward may have added to them, which cannot be told apart, so these params'
-        grads are all dropped: no scaled or partial gradient is ever stepped.
-        """
-        if self.in_place and not (self.started is not None and self.started.value):
-            with torch.no_grad():
-                if self.rescaled:
-                    foreach_mul_(self.rescaled, self.inv_scale)
-                if self.retag_undo is not None:
-                    foreach_mul_(self.retagged, self.retag_undo)
-        else:
-            for param in self.own + self.half + self.copies:
-                param.grad = None
-        for param, grad in self.own_grads + self.half_grads:
-            param.grad = grad
-
-    def add_back(self, *, own: bool, half: bool) -> None:
-        pairs = (self.own_grads if own else []) + (self.half_grads if half else [])
-        if not pairs:
-            return  # the usual case (a zero_grad before the body)
-        summed = [(p.grad, old) for p, old in pairs if p.grad is not None]
-        if summed:
-            with torch.no_grad():
-                foreach_add_([g for g, _ in summed], [old for _, old in summed])
-        for param, old in pairs:
-            if param.grad is None:
-                param.grad = old
-        if own:
-            self.own_grads = []
-        if half:
-            self.half_grads = []
-
-
-class _Started:
-    """A hook on the scaled loss: records that its backward began."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def __call__(self, grad: Tensor) -> None:
-        self.value = True
-
-
-def _set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
-               scaler: Optional[GradScaler], window: Optional[Window], several: bool) -> _Held:
-    """What the optimizer's params hold before the body (see :class:`_Held`); ``scaler``:
-    this loss's, None under a fixed scale of 1 (nothing to scale up); ``window``: its open
-    window, ``several``: whether this is a run of several processes."""
-    own = own_params(optimizer)
-    masters = stash.masters
-    half = [] if masters is None else masters.model_params
-    own_held = [p for p in own if p.grad is not None]
-    half_held = [p for p in half if p.grad is not None]
-    if not (own_held or half_held):
-        # (in a run of several processes the masters' grads are copies of the half grads:
-        # dropped with them if the body raises)
-        copies = masters.master_params if several and masters is not None else []
-        return _Held(own, half, [], [], stash.grads_unscaled, [], copies=copies)
-    unscaled = stash.grads_unscaled and scaler is not None
-    if not several:
-        held = _Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
-                     stash.grads_unscaled, [])
-        for param in own_held + half_held:
-            param.grad = None
-        return held
-    held = _Held(own, half, [], [], False, [p.grad for p in own_held] if unscaled else [],
-                 in_place=True, copies=[] if masters is None else masters.master_params)
-    tag = stash.scaled_in  # (window, scale) of the last exit, which made the held grads
-    if scaler is None or tag is None or tag[1] is None:
-        return held
-    still = [p.grad for p in half_held] + ([] if unscaled else [p.grad for p in own_held])
-    same = tag[0] is window
-    # The body's scale is at most the held grads' own: in their window (where an earlier
-    # body may have been capped so), and for fp16 grads, which scaled up past the scale
-    # they were made at could overflow (another loss's larger scale). Grads still scaled
-    # by another window's scale are brought to the body's.
-    if same or [g for g in still + held.rescaled if g.dtype == torch.float16]:
-        held.cap = tag[1]
-    if still and not same:
-        held.retagged, held.retag, held.tag_scale = still, True, tag[1]
-    return held
-
-
-def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
+def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
                 found_inf: Optional[Tensor], delay: bool, several: bool,
                 counts: bool = False) -> None:
     """After the body: unscale what its backward produced for an optimizer (unless
@@ -385,7 +240,7 @@ def _take_grads(stash: AmpStash, held: _Held, inv_scale: Optional[Tensor],
         stash.carried_inf = None
 
 
-def _count_once(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor], found_inf: Tensor,
+def _count_once(held: Held, stash: AmpStash, inv_scale: Optional[Tensor], found_inf: Tensor,
                 delay: bool) -> bool:
     """Count each gradient's overflow in one loss-scale update only (one process).
 
@@ -419,7 +274,7 @@ def _count_once(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor], found
     return True
 
 
-def _to_this_scale(held: _Held, stash: AmpStash, inv_scale: Optional[Tensor],
+def _to_this_scale(held: Held, stash: AmpStash, inv_scale: Optional[Tensor],
                    delay: bool) -> None:
     """Before they join this exit's grads (one process): bring the optimizer's own held
     grads to this loss's scale. Still scaled by an earlier delayed exit, another loss's
