@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree
-from ._torch_compat import AfterApply, BatchNormBase, local_parameters
+from ._torch_compat import AfterApply, BatchNormBase, local_modules, local_parameters
 from . import _state_dict_hooks
 from ._state_dict_hooks import Hooks
 
@@ -331,7 +331,7 @@ def _cast_param(handle: ConvertHandle, at: Optional[tuple]) -> Optional[Tensor]:
     found = at[2].get(at[1])
     owner = at[0]() if found is None else None
     if owner is not None:
-        parametrizations = owner.__dict__.get("_modules", {}).get("parametrizations")
+        parametrizations = local_modules(owner).get("parametrizations")
         if parametrizations is not None and at[1] in parametrizations:
             found = parametrizations[at[1]].original
     return found
