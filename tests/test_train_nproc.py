@@ -287,7 +287,7 @@ def test_a_folder_of_the_users_is_never_replaced_by_a_checkpoint(capsys, no_laun
     mine = tmp_path / f"run{where}" / "train_mine.py"
     mine.write_text("code")
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(target))
-    assert f"holds 'train_mine.py'" in line and "valid: a new or empty folder" in line
+    assert "holds 'train_mine.py'" in line and "valid: a new or empty folder" in line
     assert mine.read_text() == "code"
 
 
