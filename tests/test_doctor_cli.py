@@ -303,3 +303,16 @@ def test_doctor_keeps_the_modes_the_function_built_the_model_with(capsys, user_m
     assert main(["doctor", "--model", f"{user_models}:eval_backbone", "--quiet"]) == 0
     seen = importlib.import_module(user_models).SEEN_TRAINING
     assert seen and not any(seen)
+
+
+def test_a_batch_that_is_not_two_tensors_says_what_takes_it(capsys, tmp_path, monkeypatch):
+    """"returned (Linear, (dict, Tensor(3,))); expected (torch.nn.Module, (inputs,
+    targets))" read as a contradiction: a dict is an input to inspect."""
+    (tmp_path / "dictmods.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Linear(4, 2), ({'x': torch.randn(3, 4)}, torch.randn(3, 2))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = usage_error(capsys, "--model", "dictmods:make", "--quiet")
+    assert "returned (Linear, (dict, Tensor(3, 2)))" in line
+    assert "inputs and targets each one tensor" in line and "ampkit.diagnose.inspect" in line

@@ -277,7 +277,10 @@ _BUILDERS: dict[str, Callable[[int, bool, int], Workload]] = {
 
 # --- user workloads: "package.module:function" -> (model, (inputs, targets)[, loss_fn]) ---
 _EXPECTED = ("expected (torch.nn.Module, (inputs, targets)) or "
-             "(torch.nn.Module, (inputs, targets), loss_fn)")
+             "(torch.nn.Module, (inputs, targets), loss_fn), inputs and targets each one "
+             "tensor (the model called as model(inputs); for a batch of several tensors, a "
+             "dict or no target, call ampkit.diagnose.inspect or ampkit.autotune in Python, "
+             "which take any batch)")
 
 
 def load_user_function(spec: str, valid: str = VALID_MODELS) -> Callable[..., Any]:
