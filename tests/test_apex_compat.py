@@ -373,3 +373,12 @@ def test_apexs_larc_wrapper_is_taken_by_initialize_scale_loss_and_master_params(
     assert not torch.equal(masters[0], _model()[0].weight)  # the clean steps trained
     with pytest.raises(TypeError, match=r"optimizers\[1\] is a int \(3\), not a torch.optim"):
         amp.initialize(_model(), [torch.optim.SGD(_model().parameters(), lr=0.1), 3])
+
+
+def test_scale_loss_refuses_an_optimizer_listed_twice_before_the_backward():
+    """Its grads were unscaled twice (65536x too small), silently."""
+    model, opt = _init("O1")
+    with pytest.raises(ValueError, match=r"optimizers\[1\] \(SGD\) is listed twice; valid: "
+                                         r"each optimizer once"):
+        with amp.scale_loss(_loss(model), [opt, opt]):
+            pass

@@ -49,6 +49,10 @@ def check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.Activ
     else:
         opts = as_optimizers(optimizers, "optimizers")
         stashes = [stash_of(opt) for opt in opts]
+        for i, opt in enumerate(opts):
+            if any(opt is other for other in opts[:i]):  # its grads would be unscaled twice
+                raise ValueError(f"optimizers[{i}] ({type(opt).__name__}) is listed twice; "
+                                 "valid: each optimizer once")
     for i, (opt, stash) in enumerate(zip(opts, stashes)):
         if stash is None:  # (an optimizer with a stash is never an orphan)
             if is_orphan(opt):
