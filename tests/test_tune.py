@@ -651,3 +651,17 @@ def test_a_model_changing_its_input_in_place_trains_every_candidate_on_the_same_
                              candidates=["32-true", "O0"], max_loss_dev=0.0)
     assert torch.equal(x, before)
     assert result.rows[0]["max_loss_dev"] == 0.0
+
+
+def test_max_loss_dev_is_one_rule_for_the_api_and_the_cli(capsys):
+    """The API took inf (which the CLI refused) and refused numpy's float32."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"max_loss_dev must be a number >= 0 \(finite\), got inf"):
+        ampkit.autotune(_model(), *_batch(), max_loss_dev=float("inf"), steps=3)
+    result = ampkit.autotune(_model(), *_batch(), max_loss_dev=np.float32(0.5), steps=3,
+                             candidates=["bf16-mixed"])
+    assert result.rows[0]["policy"] == "32-true"
+    from ampkit.cli import main
+
+    assert main(["tune", "--model", "mlp", "--steps", "3", "--max-loss-dev", "inf"]) == 2
+    assert "--max-loss-dev must be a number >= 0 (finite), got inf" in capsys.readouterr().err

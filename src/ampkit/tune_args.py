@@ -3,6 +3,8 @@ candidates it takes (ValueError/TypeError naming the bad value and the valid one
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Iterable, Optional
 
 import torch
@@ -22,6 +24,16 @@ def native_candidates(device: Optional[str] = None) -> list[str]:
     return list(device_policies(device).candidates)
 
 
+def check_max_loss_dev(value: Any, name: str = "max_loss_dev") -> float:
+    """The tolerance, a relative loss deviation: a finite real number >= 0 (any real
+    type, numpy's too); ValueError naming ``name`` otherwise (the API's and the CLI's)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a number >= 0 (finite), got {value!r}; valid: e.g. "
+                         "0.02 (2%)")
+    return float(value)
+
+
 def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optimizer: Any,
                loss_fn: Any, device: Any, threads: Any) -> list[str]:
     """Every argument of autotune but the batch checked; the candidate names given (a
@@ -37,9 +49,7 @@ def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optim
         check_int("threads", threads, 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (2 warm-up steps, then timed ones), got {steps!r}")
-    if isinstance(max_loss_dev, bool) or not isinstance(max_loss_dev, (int, float)) \
-            or not max_loss_dev >= 0:
-        raise ValueError(f"max_loss_dev must be a number >= 0, got {max_loss_dev!r}")
+    check_max_loss_dev(max_loss_dev)
     _check_device(device)  # first: the defaults below are the device's
     if isinstance(candidates, str):  # one name, not its characters
         candidates = [candidates]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any, Optional
 
@@ -73,12 +72,15 @@ def check_candidates(text: Optional[str], device: str) -> list[str]:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    from ..tune_args import check_max_loss_dev
+
     if args.steps < 3:
         raise UsageError(f"--steps must be at least 3 (2 warm-up steps, then timed ones), "
                          f"got {args.steps}")
-    if not (args.max_loss_dev >= 0 and math.isfinite(args.max_loss_dev)):
-        raise UsageError(f"--max-loss-dev must be a number >= 0, got {args.max_loss_dev}; "
-                         "valid: e.g. 0.02 (2%)")
+    try:
+        check_max_loss_dev(args.max_loss_dev, "--max-loss-dev")  # the API's rule
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
 
