@@ -648,9 +648,10 @@ def test_a_model_changing_its_input_in_place_trains_every_candidate_on_the_same_
     x = torch.randn(16, 16)
     before = x.clone()
     result = ampkit.autotune(Scales(), x, torch.randint(0, 4, (16,)), steps=3,
-                             candidates=["32-true", "O0"], max_loss_dev=0.0)
+                             candidates=["bf16-mixed"], max_loss_dev=1.0)
     assert torch.equal(x, before)
-    assert result.rows[0]["max_loss_dev"] == 0.0
+    # bf16-mixed saw fp32's batches: only its rounding separates the loss curves
+    assert result.rows[0]["max_loss_dev"] == 0.0 and result.rows[1]["max_loss_dev"] < 0.05
 
 
 def test_max_loss_dev_is_one_rule_for_the_api_and_the_cli(capsys):
