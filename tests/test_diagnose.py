@@ -976,3 +976,27 @@ def test_flops_count_cpu_attention_and_oneDNN_rnn_layers():
 
     report = inspect(Seq(), x, policy="bf16-mixed")
     assert report.flops.get("bfloat16", 0) > 0 and report.low_precision_share > 0.9
+
+
+class _Encoding(collections.UserDict):
+    """transformers' BatchEncoding in small: a UserDict the model takes as keywords."""
+
+
+def test_a_userdict_batch_is_passed_as_keywords_and_the_callers_tensors_are_not_touched():
+    """A UserDict batch was passed as one argument, and inspect's passes shared the
+    caller's tensors: a float input with requires_grad got a .grad from them."""
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, scale):
+            return self.fc(x) * scale
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    report = inspect(Keywords(), _Encoding(x=x, scale=torch.tensor(2.0)), torch.randn(3, 2),
+                     policy="32-true")
+    assert [m.name for m in report.modules] == ["fc"]
+    assert report.modules[0].out_sqnr_db == math.inf
+    assert x.grad is None

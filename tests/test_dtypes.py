@@ -1,4 +1,6 @@
+import collections
 import dataclasses
+import types
 from typing import Optional
 
 import pytest
@@ -233,3 +235,28 @@ def test_the_common_leaves_skip_the_dataclass_check(monkeypatch):
     tree = ((x, 3, "s", 1.5, True, None), {"dtype": torch.float16, "device": torch.device("cpu")})
     assert list(iter_tensors(tree)) == [x]
     assert cast_tree(tree, torch.bfloat16)[0][0].dtype is torch.bfloat16
+
+
+class _Encoding(collections.UserDict):
+    """transformers' BatchEncoding in small: a UserDict with state of its own."""
+
+    def __init__(self, data=None, note="enc"):
+        super().__init__(data)
+        self.note = note
+
+
+def test_a_userdict_is_walked_and_rebuilt_as_its_own_type():
+    """A UserDict (transformers' BatchEncoding) was a leaf: its tensors were neither cast,
+    found, nor detached, so inspect's passes shared the caller's tensors."""
+    from ampkit._dtypes import cast_tree, iter_tensors, map_tensors
+    ids, x = torch.arange(3), torch.ones(2)
+    batch = _Encoding({"ids": ids, "x": x, "n": 3}, note="kept")
+    cast = cast_tree(batch, torch.bfloat16)
+    assert type(cast) is _Encoding and cast is not batch and cast.note == "kept"
+    assert cast["x"].dtype is torch.bfloat16 and cast["ids"] is ids and cast["n"] == 3
+    assert batch["x"] is x and batch.data is not cast.data  # the caller's is left as it was
+    assert list(iter_tensors(batch)) == [ids, x]
+    assert map_tensors(batch, lambda t: t) is batch  # nothing changed: itself
+    proxy = types.MappingProxyType({"x": x})  # cannot be copied: a plain dict
+    doubled = map_tensors(proxy, lambda t: t * 2)
+    assert type(doubled) is dict and torch.equal(doubled["x"], x * 2)

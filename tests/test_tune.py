@@ -132,16 +132,18 @@ class _TwoInputs(nn.Module):
 
 def test_autotune_and_inspect_call_the_model_with_a_batch_by_one_rule():
     """autotune refused a dict batch that inspect took: a tuple is positional, a dict
-    keywords, and a list one argument (a detection model's list of images)."""
+    keywords, and a list one argument (a detection model's list of images). Any mapping is
+    keywords: a UserDict (transformers' BatchEncoding) was passed as one argument."""
+    import collections
     from ampkit.diagnose import inspect
     x, z, y = torch.randn(8, 16), torch.randn(8, 8), torch.randint(0, 4, (8,))
     results = [ampkit.autotune(_TwoInputs(), batch, y, steps=3, candidates=["32-true"])
-               for batch in ((x, z), {"x": x, "z": z})]
-    assert [r.policy for r in results] == ["32-true"] * 2
+               for batch in ((x, z), {"x": x, "z": z}, collections.UserDict(x=x, z=z))]
+    assert [r.policy for r in results] == ["32-true"] * 3
     reports = [inspect(_TwoInputs(), batch, y, policy="bf16-mixed")
-               for batch in ((x, z), {"z": z, "x": x})]
-    assert reports[0].ref_loss == reports[1].ref_loss
-    assert reports[0].policy_loss == reports[1].policy_loss
+               for batch in ((x, z), {"z": z, "x": x}, collections.UserDict(z=z, x=x))]
+    assert reports[0].ref_loss == reports[1].ref_loss == reports[2].ref_loss
+    assert reports[0].policy_loss == reports[1].policy_loss == reports[2].policy_loss
     listed = inspect(_OneList(), [x, z], y, policy="bf16-mixed")  # one argument, not two
     assert listed.ref_loss == reports[0].ref_loss
     assert ampkit.autotune(_OneList(), [x, z], y, steps=3, candidates=["32-true"]).policy == "32-true"

@@ -1,13 +1,15 @@
 """How ``autotune``, ``diagnose.inspect`` and ``fp8.select`` call a model with the batch a
 user gave them: one rule, so a batch one of them takes, the others take alike.
 
-``inputs`` is a tuple (``model(*inputs)``), a dict (``model(**inputs)``) or anything else,
+``inputs`` is a tuple (``model(*inputs)``), a mapping (``model(**inputs)``: a dict, or a
+``collections.UserDict`` such as transformers' ``BatchEncoding``) or anything else,
 a tensor or a list of them included (``model(inputs)``: a detection model or a feature
 pyramid takes one list); Lightning's ``example_input_array`` has the same rule.
 """
 
 from __future__ import annotations
 
+from collections import abc
 from typing import Any
 
 from torch import nn
@@ -23,7 +25,7 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     """
     if isinstance(inputs, tuple):
         return model(*inputs)
-    if isinstance(inputs, dict):
+    if isinstance(inputs, abc.Mapping):
         return model(**inputs)
     if not isinstance(inputs, list):
         return model(inputs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -106,7 +107,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
     Lists, tuples, namedtuples and dicts come back as new containers of their own type (a
     dict subclass as a refilled copy: a defaultdict keeps its factory; a dict that is also
-    a dataclass, like transformers' ModelOutput, as a mapping). A dataclass instance,
+    a dataclass, like transformers' ModelOutput, as a mapping). Any other mapping (a
+    ``collections.UserDict`` such as transformers' ``BatchEncoding``) comes back as itself
+    when ``fn`` changed none of its values, else as a refilled copy of its type (a plain
+    dict where it cannot be copied or set). A dataclass instance,
     frozen or not, comes back as itself when ``fn`` changed nothing in it, else as
     ``copy.copy`` of it with every field (``init=False`` ones too) set to its mapped value:
     its ``__init__`` and ``__post_init__`` do not run again, so a field set after
@@ -139,6 +143,11 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any], memo: dict[int, Any]) -> A
         return mapped if type(obj) is dict else _rebuild_mapping(obj, mapped)
     if _is_dataclass_instance(obj):
         return _map_dataclass(obj, fn, memo)
+    if isinstance(obj, abc.Mapping):  # a UserDict (transformers' BatchEncoding), a proxy
+        mapped = {k: _map(v, fn, memo) for k, v in obj.items()}
+        if all(value is obj[key] for key, value in mapped.items()):
+            return obj
+        return _rebuild_mapping(obj, mapped)
     return obj
 
 
@@ -185,10 +194,14 @@ def _iter(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _iter(item, seen)
-    elif _is_dataclass_instance(obj) and id(obj) not in seen:
-        seen.add(id(obj))
-        for name in _field_names(obj):
-            yield from _iter(getattr(obj, name, None), seen)
+    elif _is_dataclass_instance(obj):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            for name in _field_names(obj):
+                yield from _iter(getattr(obj, name, None), seen)
+    elif isinstance(obj, abc.Mapping):
+        for item in obj.values():
+            yield from _iter(item, seen)
 
 
 _UNSET = object()
@@ -208,7 +221,7 @@ def _field_names(obj: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(obj)]
 
 
-def _rebuild_mapping(original: dict, cast: dict) -> dict:
+def _rebuild_mapping(original: abc.Mapping, cast: dict) -> abc.Mapping:
     """A mapping of ``original``'s type holding ``cast`` (same keys): a copy with the
     changed items set one by one, so a defaultdict keeps its factory and transformers'
     ``ModelOutput`` (whose ``update`` and ``pop`` raise, and whose item assignment sets
