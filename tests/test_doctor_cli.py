@@ -305,14 +305,64 @@ def test_doctor_keeps_the_modes_the_function_built_the_model_with(capsys, user_m
     assert seen and not any(seen)
 
 
-def test_a_batch_that_is_not_two_tensors_says_what_takes_it(capsys, tmp_path, monkeypatch):
-    """"returned (Linear, (dict, Tensor(3,))); expected (torch.nn.Module, (inputs,
-    targets))" read as a contradiction: a dict is an input to inspect."""
-    (tmp_path / "dictmods.py").write_text(
-        "import torch\n"
-        "def make():\n"
-        "    return torch.nn.Linear(4, 2), ({'x': torch.randn(3, 4)}, torch.randn(3, 2))\n")
+_BATCH_MODELS = """\
+import torch
+
+
+class Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, x, z):
+        return self.a(x) + self.b(z)
+
+
+def as_dict():
+    torch.manual_seed(0)
+    return Keywords(), ({"x": torch.randn(5, 4), "z": torch.randn(5, 3)}, torch.randn(5, 2))
+
+
+def as_tuple():
+    torch.manual_seed(0)
+    return Keywords(), ((torch.randn(5, 4), torch.randn(5, 3)), torch.randn(5, 2))
+
+
+def no_target():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2), (torch.randn(5, 4), None)
+
+
+def no_tensor():
+    return torch.nn.Linear(4, 2), ({"x": 1}, torch.randn(5, 2))
+"""
+
+
+def test_a_user_functions_batch_may_be_a_dict_a_tuple_or_have_no_target(capsys, tmp_path,
+                                                                         monkeypatch):
+    """doctor, bench and tune took only two tensors from a user function: a model of
+    keyword inputs (an HF model's dict batch) or one without a target was refused."""
+    (tmp_path / "batchmods.py").write_text(_BATCH_MODELS)
+    monkeypatch.chdir(tmp_path)  # bench's policy workers import it from the current folder
     monkeypatch.syspath_prepend(str(tmp_path))
-    line = usage_error(capsys, "--model", "dictmods:make", "--quiet")
-    assert "returned (Linear, (dict, Tensor(3, 2)))" in line
-    assert "inputs and targets each one tensor" in line and "ampkit.diagnose.inspect" in line
+    docs = {}
+    for name in ("as_dict", "as_tuple", "no_target"):
+        out = tmp_path / f"{name}.json"
+        assert main(["doctor", "--model", f"batchmods:{name}", "--policy", "bf16-mixed",
+                     "--json", str(out), "--quiet"]) == 0, capsys.readouterr().err
+        docs[name] = strict(out.read_text())
+    # The same weights and batch, given as keywords or positionally: the same report.
+    assert docs["as_dict"]["modules"] == docs["as_tuple"]["modules"]
+    assert [m["name"] for m in docs["as_dict"]["modules"]] == ["a", "b"]
+    assert [m["name"] for m in docs["no_target"]["modules"]] == [""]
+    bench_json = tmp_path / "bench.json"
+    assert main(["bench", "--model", "batchmods:as_dict", "--policies",
+                        "32-true,bf16-mixed", "--steps", "2", "--warmup", "1", "--json",
+                        str(bench_json), "--quiet"]) == 0, capsys.readouterr().err
+    bench = strict(bench_json.read_text())
+    assert [r["policy"] for r in bench["results"]] == ["32-true", "bf16-mixed"]
+    assert all(r["samples_per_s"] > 0 for r in bench["results"])
+    capsys.readouterr()
+    line = usage_error(capsys, "--model", "batchmods:no_tensor", "--quiet")
+    assert "returned (Linear, ({'x': int}, Tensor(5, 2)))" in line
+    assert "a dict of them (model(**inputs))" in line and "None" in line

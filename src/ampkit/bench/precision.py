@@ -9,11 +9,12 @@ unless the policy scales the loss. fp8 is ``convert_to_fp8`` plus bf16 autocast.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
+from .._batch import call_model
 from .._dtypes import fp8_supported
 from ..apply import apply_policy, loop_scaler
 from ..autocast import autocast
@@ -86,12 +87,14 @@ def adamw_factory(policy: Policy, lr: float) -> OptimizerFactory:
     return lambda params: torch.optim.AdamW(params, lr=lr, eps=adam_eps(policy))
 
 
-def train_step(model: nn.Module, inputs: Tensor, targets: Tensor,
-               loss_fn: Callable[[Tensor, Tensor], Tensor], optimizer: torch.optim.Optimizer,
+def train_step(model: nn.Module, inputs: Any, targets: Any,
+               loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer,
                precision: Precision) -> Tensor:
-    """One optimisation step under a precision; returns the loss, still on the device."""
+    """One optimisation step under a precision; returns the loss, still on the device.
+
+    ``inputs``: a tensor, or any batch ``call_model`` takes (a tuple, a dict)."""
     with precision.autocast:
-        loss = loss_fn(model(inputs), targets)
+        loss = loss_fn(call_model(model, inputs), targets)
     scaler = precision.scaler
     scaler.scale(loss).backward()
     scaler.step(optimizer)  # a no-op step when the gradients overflowed

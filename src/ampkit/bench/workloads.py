@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import sys
+from collections import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -21,11 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._dtypes import iter_tensors, map_tensors
+from .._loss import default_loss
 from .._reference import check_fp32_model
 from .errors import UsageError, torchvision_install
 
-Batch = tuple[Tensor, Tensor]
-LossFn = Callable[[Tensor, Tensor], Tensor]
+# (inputs, targets): a built-in model's are two tensors; a user function's inputs are any
+# batch ``call_model`` takes (a tensor, a tuple, a dict), its targets a tensor, None, or
+# whatever its own loss_fn takes.
+Batch = tuple[Any, Any]
+LossFn = Callable[[Any, Any], Tensor]
 BUILTIN_MODELS = ("mlp", "cnn", "resnet18", "gpt")
 VALID_MODELS = ", ".join(BUILTIN_MODELS) + ", or package.module:function"
 
@@ -277,10 +283,10 @@ _BUILDERS: dict[str, Callable[[int, bool, int], Workload]] = {
 
 # --- user workloads: "package.module:function" -> (model, (inputs, targets)[, loss_fn]) ---
 _EXPECTED = ("expected (torch.nn.Module, (inputs, targets)) or "
-             "(torch.nn.Module, (inputs, targets), loss_fn), inputs and targets each one "
-             "tensor (the model called as model(inputs); for a batch of several tensors, a "
-             "dict or no target, call ampkit.diagnose.inspect or ampkit.autotune in Python, "
-             "which take any batch)")
+             "(torch.nn.Module, (inputs, targets), loss_fn) with loss_fn(output, targets) -> "
+             "loss; inputs: a tensor (model(inputs)), a tuple of tensors (model(*inputs)) or "
+             "a dict of them (model(**inputs)); targets: a tensor, or None (the loss is then "
+             "the mean output, or loss_fn's)")
 
 
 def load_user_function(spec: str, valid: str = VALID_MODELS) -> Callable[..., Any]:
@@ -339,8 +345,7 @@ def _takes_batch_size(func: Callable[..., Any]) -> bool:
 def user_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     """A Workload from a user function returning (model, (inputs, targets)[, loss_fn])."""
     result = call_user_function(spec, batch_size)
-    model, batch, loss_fn = _check_user_result(spec, result)
-    inputs, targets = batch
+    model, (inputs, targets), loss_fn = _check_user_result(spec, result)
 
     def build() -> nn.Module:
         # A copy of the one model the function returned: every policy starts from the
@@ -349,32 +354,41 @@ def user_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
         return copy.deepcopy(model)
 
     def batches(device: torch.device) -> list[Batch]:
-        return [(inputs.to(device), targets.to(device))]
+        def move(tensor: Tensor) -> Tensor:
+            return tensor.to(device)
+        return [(map_tensors(inputs, move), map_tensors(targets, move))]
 
     if loss_fn is None:
-        loss_fn = _default_loss(spec, mse_loss if targets.is_floating_point()
-                                else classification_loss)
-    return Workload(spec, build, batches, loss_fn, int(inputs.shape[0]) if inputs.dim() else 1,
-                    f"{spec}, batch {tuple(inputs.shape)}")
+        loss_fn = _default_loss(spec, targets)
+    first = next(iter_tensors(inputs))  # the rows of the batch: its first tensor's
+    return Workload(spec, build, batches, loss_fn, int(first.shape[0]) if first.dim() else 1,
+                    f"{spec}, batch {_shapes(inputs)}")
 
 
-def _default_loss(spec: str, loss_fn: LossFn) -> LossFn:
-    """``loss_fn``, refusing a model output that is not a tensor with a message that says
-    what to return (``output.float()`` of a tuple would fail on an AttributeError)."""
-    def loss(output: Any, target: Tensor) -> Tensor:
+def _default_loss(spec: str, targets: Optional[Tensor]) -> LossFn:
+    """The loss of a user workload without loss_fn: cross-entropy for integer targets, MSE
+    for floating ones, the mean output without targets (``inspect``'s rule); a model
+    output that is not a tensor is refused saying what to return."""
+    rule = (default_loss if targets is None else
+            mse_loss if targets.is_floating_point() else classification_loss)
+
+    def loss(output: Any, target: Any) -> Tensor:
         if not isinstance(output, Tensor):
             raise TypeError(f"model {spec!r} returned a {type(output).__name__} from its "
                             "forward, not a tensor, and no loss_fn; valid: return (model, "
                             "(inputs, targets), loss_fn) with loss_fn(output, target) -> loss")
-        return loss_fn(output, target)
+        return rule(output, target)
     return loss
 
 
 def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Optional[LossFn]]:
     ok = (isinstance(result, (tuple, list)) and len(result) in (2, 3)
           and isinstance(result[0], nn.Module) and isinstance(result[1], (tuple, list))
-          and len(result[1]) == 2 and all(isinstance(t, Tensor) for t in result[1])
-          and (len(result) == 2 or callable(result[2])))
+          and len(result[1]) == 2 and (len(result) == 2 or callable(result[2])))
+    if ok:
+        inputs, targets = result[1]
+        ok = (_is_batch(inputs) and
+              (len(result) == 3 or targets is None or isinstance(targets, Tensor)))
     if not ok:
         raise UsageError(f"model {spec!r} returned {_describe(result)}; {_EXPECTED}")
     try:  # every command compares policies from these weights, fp32 (32-true) first
@@ -385,10 +399,28 @@ def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Option
     return result[0], (result[1][0], result[1][1]), loss_fn
 
 
+def _is_batch(inputs: Any) -> bool:
+    """A tensor, or a tuple or mapping holding tensors (at least one: the batch's rows)."""
+    if isinstance(inputs, Tensor):
+        return True
+    if isinstance(inputs, tuple) or isinstance(inputs, abc.Mapping):
+        return next(iter_tensors(inputs), None) is not None
+    return False
+
+
+def _shapes(inputs: Any) -> str:
+    """A batch for the report: a tensor's shape, ``(8, 16)``, or its structure's."""
+    return str(tuple(inputs.shape)) if isinstance(inputs, Tensor) else _describe(inputs)
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_describe(v) for v in value[:4])
         return f"({inner}{', ...' if len(value) > 4 else ''})"
+    if isinstance(value, abc.Mapping):
+        items = list(value.items())
+        inner = ", ".join(f"{k!r}: {_describe(v)}" for k, v in items[:4])
+        return f"{{{inner}{', ...' if len(items) > 4 else ''}}}"
     if isinstance(value, Tensor):
         return f"Tensor{tuple(value.shape)}"
     return type(value).__name__
