@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -668,3 +670,43 @@ def test_max_loss_dev_is_one_rule_for_the_api_and_the_cli(capsys):
 
     assert main(["tune", "--model", "mlp", "--steps", "3", "--max-loss-dev", "inf"]) == 2
     assert "--max-loss-dev must be a number >= 0 (finite), got inf" in capsys.readouterr().err
+
+
+def _pruned() -> nn.Module:
+    from torch.nn.utils import prune
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)  # weight = weight_orig * mask
+    return model
+
+
+def test_a_pruned_model_is_tuned_and_inspected_on_a_copy_that_keeps_its_mask():
+    """copy.deepcopy refused the pruned layer's computed weight (a non-leaf tensor): autotune
+    crashed with torch's deepcopy error, inspect refused the model."""
+    from ampkit.diagnose import inspect
+    model = _pruned()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    result = ampkit.autotune(model, x, y, steps=3, candidates=["32-true", "bf16-mixed"])
+    assert [row["policy"] for row in result.rows] == ["32-true", "bf16-mixed"]
+    assert all(math.isfinite(row["step_ms"]) for row in result.rows)
+    report = inspect(model, x, y, policy="32-true")
+    assert report.ref_loss == report.policy_loss
+    ref = nn.functional.mse_loss(model(x), y)  # the pruned model's own loss: the mask held
+    assert report.ref_loss == ref.item()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_unmaterialized_lazy_model_is_refused_saying_to_run_a_forward_first():
+    """autotune failed in torch's numel() with "Attempted to use an uninitialized
+    parameter"; inspect failed elsewhere."""
+    from ampkit.diagnose import inspect
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    for call in (lambda: ampkit.autotune(lazy, x, y, steps=3, candidates=["32-true"]),
+                 lambda: inspect(lazy, x, y, policy="bf16-mixed")):
+        with pytest.raises(ValueError, match=r"parameter '0.weight' is not materialized.*"
+                                             r"one forward"):
+            call()
+    lazy(x)  # materialized: taken
+    assert ampkit.autotune(lazy, x, y, steps=3, candidates=["32-true"]).policy == "32-true"

@@ -4,8 +4,11 @@ the model they take must be fp32, or the "fp32" pass silently is not (one check,
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .fp8.linear import Float8Linear
 
@@ -24,6 +27,10 @@ def check_fp32_model(model: nn.Module, caller: str) -> None:
     """
     valid = fp32_model_hint(caller)
     for name, param in model.named_parameters():
+        if is_lazy(param):
+            raise ValueError(f"parameter {name!r} is not materialized yet (a lazy module); "
+                             "valid: run one forward on a batch first, so that its shape "
+                             "is known")
         if param.device.type == "meta":
             raise ValueError(f"parameter {name!r} is on the meta device (no data to compare); "
                              "valid: a model with real storage")
@@ -41,3 +48,31 @@ def fp32_model_hint(caller: str) -> str:
               "each policy" if caller == "the command" else "each candidate policy")
     return (f"valid: the fp32 model, before ampkit.initialize / convert_to_fp8 / .half() "
             f"({caller} applies {copies} to its own copy)")
+
+
+def copy_model(model: nn.Module, caller: str) -> nn.Module:
+    """A deep copy of ``model`` for ``caller``'s own passes ("inspect", "autotune").
+
+    A tensor a forward pre-hook computes and keeps as a plain attribute (a pruned layer's
+    ``weight = weight_orig * weight_mask``, the old ``weight_norm``'s ``weight``) is a
+    non-leaf tensor, which ``copy.deepcopy`` refuses: the copy gets it detached (the hook
+    computes it again from the copied parameters at the copy's next forward). Any other
+    failure of ``copy.deepcopy`` is a TypeError naming it.
+
+    Example:
+        >>> from torch.nn.utils import prune
+        >>> layer = prune.l1_unstructured(nn.Linear(4, 2), "weight", amount=0.5)
+        >>> int((copy_model(layer, "inspect").weight == 0).sum())
+        4
+    """
+    memo: dict[int, object] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:  # a model holding something deepcopy refuses
+        raise TypeError(f"{caller} works on a deep copy of the model and copy.deepcopy failed "
+                        f"({type(err).__name__}: {err}); valid: a deep-copyable "
+                        "nn.Module") from err

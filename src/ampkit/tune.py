@@ -18,7 +18,6 @@ converted (bf16 autocast around the rest); when no layer was, it is not trained.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import statistics
 import warnings
@@ -31,6 +30,7 @@ from ._batch import call_model
 from ._dtypes import autocast_default_dtype, default_device_type, map_tensors
 from ._loss import check_target, default_loss
 from ._measure import MemoryMeter, num_threads, synchronize, threads_for, time_steps
+from ._reference import copy_model
 from .apply import apply_policy, loop_scaler
 from .autocast import autocast
 from ._rng import RngReplay
@@ -163,7 +163,7 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
 
 def _fp8_layers(model: nn.Module, inputs: Any, device: str, name: str) -> list[LayerTiming]:
     """Each eligible Linear timed alone at its shape, bf16 against fp8, on a copy of the model."""
-    probe = copy.deepcopy(model).to(device)
+    probe = copy_model(model, "autotune").to(device)
     return time_fp8_layers(probe, inputs, recipe=fp8_recipe(name))
 
 
@@ -223,7 +223,7 @@ class _Run:
         # be told apart between candidates in one process, so there it is not reported.
         self.memory = MemoryMeter(torch.device(device)) if self.cuda else None
         with self._tracked(), self._guarded():
-            self.model = copy.deepcopy(model).to(device)
+            self.model = copy_model(model, "autotune").to(device)
             if recipe is not None:
                 convert_to_fp8(self.model, recipe=recipe,
                                module_filter=selecting(self.model, self.fp8_modules))

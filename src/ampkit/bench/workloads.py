@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .._dtypes import iter_tensors, map_tensors
 from .._loss import default_loss
-from .._reference import check_fp32_model
+from .._reference import check_fp32_model, copy_model
 from .errors import UsageError, torchvision_install
 
 # (inputs, targets): a built-in model's are two tensors; a user function's inputs are any
@@ -350,8 +350,7 @@ def user_workload(spec: str, batch_size: Optional[int] = None) -> Workload:
     def build() -> nn.Module:
         # A copy of the one model the function returned: every policy starts from the
         # same weights whether or not the function seeds itself.
-        import copy
-        return copy.deepcopy(model)
+        return copy_model(model, "the command")
 
     def batches(device: torch.device) -> list[Batch]:
         def move(tensor: Tensor) -> Tensor:

@@ -22,7 +22,6 @@ the loss values and the watch's reads): a handful per call, never one per module
 
 from __future__ import annotations
 
-import copy
 import math
 import reprlib
 from typing import Any, Callable, Optional, Union
@@ -35,7 +34,7 @@ from .._batch import call_model
 from .._dtypes import (autocast_default_dtype, capability, fp8_supported, iter_tensors,
                        map_tensors)
 from .._loss import default_loss
-from .._reference import check_fp32_model, fp32_model_hint
+from .._reference import check_fp32_model, copy_model, fp32_model_hint
 from ..apply import apply_policy, check_models, make_scalers
 from ..autocast import autocast
 from ..convert import conversion_of
@@ -213,11 +212,7 @@ def resolve_policy(policy: Union[str, Policy, None],
 # --- the two passes ----------------------------------------------------------------------------
 def _copy(model: nn.Module) -> nn.Module:
     """A deep copy (nn.Parameter's deepcopy leaves .grad behind: no gradients copied)."""
-    try:
-        return copy.deepcopy(model)
-    except Exception as err:  # a model holding something deepcopy refuses
-        raise TypeError(f"inspect works on a deep copy of the model and copy.deepcopy failed "
-                        f"({type(err).__name__}: {err}); valid: a deep-copyable nn.Module") from err
+    return copy_model(model, "inspect")
 
 
 def _copied(value: Any) -> Any:
