@@ -911,3 +911,26 @@ def test_found_inf_of_several_devices_folds_to_their_max():
     clean = torch.zeros(())
     fold_into(clean, {"a": clean, "b": torch.zeros(())})
     assert clean.item() == 0.0
+
+
+def test_it_is_a_torch_amp_gradscaler_running_only_its_own_code():
+    """isinstance(scaler, torch.amp.GradScaler) was False: a loop or trainer that checks it
+    (to scale the loss, to save or load the scaler's state) skipped the scaler silently,
+    and fp16 gradients then trained unscaled."""
+    scaler = GradScaler("cpu", init_scale=8.0)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    # No torch method runs on ampkit's state: each one torch defines is overridden here
+    # (a method a later torch adds fails this, instead of running on missing attributes).
+    torch_methods = [name for name, value in vars(torch.amp.GradScaler).items()
+                     if callable(value) or isinstance(value, (staticmethod, classmethod))]
+    assert "step" in torch_methods and "__getstate__" in torch_methods
+    assert [n for n in torch_methods if n not in vars(GradScaler)] == []
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.ones(1, 2)).sum()
+    if isinstance(scaler, torch.amp.GradScaler):  # the idiom: scale when a scaler is given
+        scaler.scale(loss).backward()
+    assert torch.equal(model.bias.grad, torch.tensor([8.0]))
+    state = {"scaler": scaler.state_dict() if isinstance(scaler, torch.amp.GradScaler) else {}}
+    assert state["scaler"]["scale"] == 8.0

@@ -136,8 +136,13 @@ def _takes_grad_scaler(step: Callable) -> bool:
     return takes
 
 
-class GradScaler:
+class GradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling, drop-in for ``torch.amp.GradScaler`` with bounds and hysteresis.
+
+    A subclass of ``torch.amp.GradScaler``, so that code checking
+    ``isinstance(scaler, torch.amp.GradScaler)`` (to scale the loss, to save or load the
+    scaler's state) uses it; none of torch's code runs on it: every method torch's class
+    defines is defined here (``__init__`` does not call torch's).
 
     Each iteration: ``scale(loss).backward()``, optionally ``unscale_(optimizer)`` (to clip
     or inspect gradients), ``step(optimizer)`` (skipped when a gradient holds an inf/NaN),
