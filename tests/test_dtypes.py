@@ -260,3 +260,34 @@ def test_a_userdict_is_walked_and_rebuilt_as_its_own_type():
     proxy = types.MappingProxyType({"x": x})  # cannot be copied: a plain dict
     doubled = map_tensors(proxy, lambda t: t * 2)
     assert type(doubled) is dict and torch.equal(doubled["x"], x * 2)
+
+
+class _SharedStore(collections.abc.MutableMapping):
+    """A mapping whose copy.copy shares its storage (no __copy__ of its own)."""
+
+    def __init__(self, **items):
+        self.store = dict(items)
+
+    def __getitem__(self, key):
+        return self.store[key]
+
+    def __setitem__(self, key, value):
+        self.store[key] = value
+
+    def __delitem__(self, key):
+        del self.store[key]
+
+    def __iter__(self):
+        return iter(self.store)
+
+    def __len__(self):
+        return len(self.store)
+
+
+def test_a_mapping_whose_copy_shares_its_storage_is_left_as_it_was():
+    from ampkit._dtypes import cast_tree
+    x = torch.ones(2)
+    batch = _SharedStore(x=x, y=torch.ones(2))
+    cast = cast_tree(batch, torch.float16)
+    assert batch["x"] is x and batch["y"].dtype is torch.float32
+    assert type(cast) is dict and cast["x"].dtype is cast["y"].dtype is torch.float16

@@ -225,12 +225,18 @@ def _rebuild_mapping(original: abc.Mapping, cast: dict) -> abc.Mapping:
     """A mapping of ``original``'s type holding ``cast`` (same keys): a copy with the
     changed items set one by one, so a defaultdict keeps its factory and transformers'
     ``ModelOutput`` (whose ``update`` and ``pop`` raise, and whose item assignment sets
-    the attribute too) stays one. A plain dict only where the type cannot be copied."""
+    the attribute too) stays one. A plain dict where the type cannot be copied or set, or
+    where its copy shares the original's storage (setting it changed the caller's
+    mapping: that item is put back)."""
     try:
         rebuilt = copy.copy(original)  # the subclass and its state (default_factory, ...)
         for key, value in cast.items():
-            if value is not original[key]:
+            old = original[key]
+            if value is not old:
                 rebuilt[key] = value
+                if original[key] is not old:  # one storage: undone, and not used
+                    original[key] = old
+                    return cast
         return rebuilt
     except Exception:  # noqa: BLE001 - a mapping that cannot be copied or set
         return cast
