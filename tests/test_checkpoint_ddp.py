@@ -9,6 +9,7 @@ two-rank spawn checks the bitwise resume.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,82 @@ def test_o2_ddp_dcp_resume_is_bitwise_on_two_ranks(tmp_path):
     for result in ranks:
         assert result["resumed"] == result["unbroken"]  # floats compare exactly
     assert ranks[0]["unbroken"] != ranks[1]["unbroken"]  # each rank its own batches
+
+
+def _build_for(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fp16 run of ``kind``: "ddp-O1" / "ddp-O2" (initialize, then DDP) or "fsdp" (shard)."""
+    model = _net()
+    if kind == "fsdp":
+        from ampkit.distributed import shard
+        model = shard(model, "16-mixed", modules=["1", "3"])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level=kind[-2:],
+                                         half_dtype=torch.float16, verbosity=0)
+    return nn.parallel.DistributedDataParallel(model), optimizer
+
+
+def _scaled_steps(model, optimizer, scaler, steps: range, overflow: tuple = ()) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        with ampkit.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss * math.inf if step in overflow else loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+_FSDP2_ON_CPU = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 6)
+
+
+@pytest.mark.parametrize("kind", ["ddp-O1", "ddp-O2", pytest.param("fsdp", marks=pytest.mark.skipif(
+    not _FSDP2_ON_CPU, reason="FSDP2 on the CPU needs torch 2.6 or later"))])
+@pytest.mark.parametrize("saved_after", [0, 1])
+def test_a_save_before_the_first_step_that_was_not_skipped_resumes_exactly(one_rank, tmp_path,
+                                                                           kind, saved_after):
+    """Saved after a skipped first step (grads left in place), a torch-path checkpoint had
+    no optimizer state and no fresh optimizer could load it (DCP: missing key ...step);
+    an O2 one, or a save before any step, gave the saving run's optimizer a step at lr 0
+    (Adam's step count then ran one ahead of a run that never saved)."""
+    import torch.distributed.checkpoint as dcp
+    from ampkit.distributed import load_checkpoint
+
+    model, optimizer = _build_for(kind)
+    reference = _scaled_steps(model, optimizer, ampkit.GradScaler("cpu"), range(4), (0,))
+    model, optimizer = _build_for(kind)
+    scaler = ampkit.GradScaler("cpu")
+    first = _scaled_steps(model, optimizer, scaler, range(saved_after), (0,))
+    dcp.save({"train": TrainState(model, optimizer, scaler)}, checkpoint_id=str(tmp_path))
+    assert not optimizer.state  # the saving run's optimizer is left fresh
+    assert first + _scaled_steps(model, optimizer, scaler, range(saved_after, 4), (0,)) == reference
+    for load in (load_checkpoint, dcp.load):
+        model, optimizer = _build_for(kind)
+        scaler = ampkit.GradScaler("cpu")
+        load({"train": TrainState(model, optimizer, scaler)}, checkpoint_id=str(tmp_path))
+        assert not optimizer.state, load
+        resumed = _scaled_steps(model, optimizer, scaler, range(saved_after, 4), (0,))
+        assert first + resumed == reference, load
+
+
+def test_a_checkpoint_saved_without_the_fresh_key_still_loads(one_rank, tmp_path, monkeypatch):
+    """A checkpoint written before TrainState saved "fresh_optimizer" loads through
+    load_checkpoint (the key is read only where the checkpoint has it)."""
+    import torch.distributed.checkpoint as dcp
+    from ampkit.distributed import load_checkpoint
+
+    ddp, optimizer = _fresh("O1")
+    _steps(ddp, optimizer, 0, range(2))
+    state_dict = TrainState.state_dict
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainState, "state_dict",
+                      lambda self: {k: v for k, v in state_dict(self).items()
+                                    if k != "fresh_optimizer"})
+        dcp.save({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
+    after = _steps(ddp, optimizer, 0, range(2, 4))
+    ddp, optimizer = _fresh("O1")
+    load_checkpoint({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
+    assert _steps(ddp, optimizer, 0, range(2, 4)) == after

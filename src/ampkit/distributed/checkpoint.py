@@ -35,6 +35,9 @@ from ..master import MasterWeights
 from ..optim import master_weights_of, stash_of
 from ..scaler import GradScaler
 
+# The key of a TrainState's state that says its optimizer had no state yet when saved.
+FRESH_KEY = "fresh_optimizer"
+
 
 class TrainState:
     """Model, optimizer and GradScaler as one DCP ``Stateful``, for save and exact resume.
@@ -74,17 +77,32 @@ class TrainState:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
 
     def state_dict(self) -> dict[str, Any]:
-        """{"model": ..., "optimizer": ..., "scaler": ...}: sharded tensors and numbers."""
+        """{"model": ..., "optimizer": ..., "fresh_optimizer": ..., "scaler": ...}: sharded
+        tensors and plain values.
+
+        An optimizer without state yet (no step taken, or only steps the scaler skipped)
+        is saved with the state its first step would make at learning rate 0 (DCP needs
+        tensors to write, and a fresh optimizer to load into makes the same ones), and
+        ``"fresh_optimizer": True``, which a load reads to make the optimizer fresh
+        again; the saving optimizer itself is left fresh, its gradients untouched.
+        """
         from torch.distributed.checkpoint import state_dict as dcp_state
 
         masters = self._masters()
         if self.optimizer is None:
             state: dict[str, Any] = {"model": dcp_state.get_model_state_dict(self.model)}
-        elif masters is not None:
-            state = _master_state(self.model, self.optimizer, masters)
         else:
-            model_sd, optim_sd = dcp_state.get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+            optimizer = self.optimizer
+            if masters is not None:
+                def take() -> dict[str, Any]:
+                    return _master_state(self.model, optimizer, masters)
+            else:
+                def take() -> dict[str, Any]:
+                    model_sd, optim_sd = dcp_state.get_state_dict(self.model, optimizer)
+                    return {"model": model_sd, "optimizer": optim_sd}
+            fresh = not optimizer.state
+            state = _with_initial_state(optimizer, take) if fresh else take()
+            state[FRESH_KEY] = fresh
         if self.scaler is not None and self.scaler.is_enabled():
             state["scaler"] = self.scaler.state_dict()  # reads the scale: one host sync
         return state
@@ -101,6 +119,8 @@ class TrainState:
         else:
             dcp_state.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                                      optim_state_dict=state["optimizer"])
+        if self.optimizer is not None and state.get(FRESH_KEY) is True:
+            self.optimizer.state.clear()  # saved fresh: fresh again (its param groups loaded)
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
 
@@ -160,7 +180,12 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
         # run's, of parameters frozen since, is dropped, as torch's set_state_dict does.)
         whole = tuple(f"{key}.model." for key, value in state_dict.items()
                       if isinstance(value, TrainState) and "model" in targets[key])
-        _check_shapes(targets, checkpoint_id, dcp_kwargs.get("storage_reader"), whole)
+        saved = _saved_metadata(checkpoint_id, dcp_kwargs.get("storage_reader"))
+        for key, value in state_dict.items():  # saved before TrainState wrote the key
+            if (isinstance(value, TrainState) and saved is not None
+                    and f"{key}.{FRESH_KEY}" not in saved):
+                targets[key].pop(FRESH_KEY, None)
+        _check_shapes(targets, saved, whole)
         # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
         dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
         for key in sorted(state_dict):  # DCP's order
@@ -175,22 +200,29 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
         raise
 
 
-def _check_shapes(targets: dict[str, Any], checkpoint_id: Any, reader: Any,
+def _saved_metadata(checkpoint_id: Any, reader: Any) -> Optional[dict[str, Any]]:
+    """The checkpoint's entries (DCP's flattened keys -> their metadata), or None where
+    they cannot be read (DCP's own load then says why)."""
+    import torch.distributed.checkpoint as dcp
+
+    if reader is None:
+        if checkpoint_id is None:
+            return None
+        reader = dcp.FileSystemReader(checkpoint_id)
+    try:
+        return reader.read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable metadata: DCP's own load reports it
+        return None
+
+
+def _check_shapes(targets: dict[str, Any], saved: Optional[dict[str, Any]],
                   whole: tuple[str, ...] = ()) -> None:
     """Refuse a checkpoint whose tensors have other shapes than the ones to load into,
     before anything is read: torch 2.5's DCP read a larger saved tensor into a smaller
     one silently, in part. (Newer torch refuses it too, inside the read.) Under the key
     prefixes ``whole``, a saved tensor this run does not load (another model's layer) is
     refused too."""
-    import torch.distributed.checkpoint as dcp
-
-    if reader is None:
-        if checkpoint_id is None:
-            return  # DCP itself says what is missing
-        reader = dcp.FileSystemReader(checkpoint_id)
-    try:
-        saved = reader.read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - unreadable metadata: DCP's own load reports it
+    if saved is None:
         return
     wanted = _flat_tensors(targets)
     for key, tensor in wanted:
@@ -278,6 +310,24 @@ def _names(module: nn.Module, optimizer: torch.optim.Optimizer,
     return names
 
 
+def _with_initial_state(optimizer: torch.optim.Optimizer, take: Any) -> Any:
+    """``take()`` while a fresh optimizer holds the state its first step would make (a step
+    with zero gradients at learning rate 0, the gradients it holds set aside: a skipped
+    step leaves them); after it, the optimizer is fresh again and has its gradients back.
+    What ``take`` returned keeps the state's tensors alive."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        _init_optimizer_state(optimizer)
+        return take()
+    finally:
+        optimizer.state.clear()
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer its state (a step with zero grads at lr 0), so DCP has
     tensors to load into; torch's get_state_dict does the same for its optimizers."""
@@ -307,7 +357,6 @@ def _master_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """{"model": fp32 state dict, "optimizer": {"state", "param_groups"} keyed by name}."""
     module = _unwrap(model)
     names = _names(module, optimizer, masters)
-    _init_optimizer_state(optimizer)
     osd = optimizer.state_dict()  # state keyed by the params' positions in param_groups
     state = {names[i]: {k: _copy(v) for k, v in entry.items()} for i, entry in osd["state"].items()}
     groups = [dict(group, params=[names[i] for i in group["params"]]) for group in osd["param_groups"]]
