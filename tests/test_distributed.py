@@ -190,6 +190,18 @@ def test_kept_fp32_modules_and_batch_norm_are_fp32_groups(one_rank):
     assert seen == {"blocks.0.ln": (F32, F32), "blocks.0.fc": (F16, F16)}
 
 
+def test_keep_fp32_after_shard_is_refused_unless_the_selection_stays(one_rank):
+    """keep_fp32 on a sharded model returned normally and changed nothing: the layer
+    still ran in fp16 (shard had fixed each group's precision)."""
+    model = shard(ampkit.keep_fp32(Net(), ["head"]), "O2-fp16")
+    assert ampkit.keep_fp32(model, ["head"]) is model  # the same selection: nothing to do
+    for modules in (["blocks.0.fc"], []):
+        with pytest.raises(ValueError, match=r"already sharded .*kept now: \['head'\].*"
+                                             r"before ampkit.distributed.shard"):
+            ampkit.keep_fp32(model, modules)
+    assert ampkit.keep.kept_names(model) == ["head"]
+
+
 class _Frequencies(nn.Module):
     """A buffer table: fp32 rotary frequencies times positions."""
 

@@ -10,7 +10,6 @@ fp32 masters under master-weight policies). :func:`apply_policy` does both.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -21,6 +20,7 @@ from torch.nn.parameter import is_lazy
 from . import _state
 from ._checks import as_list, check_bool, check_int, check_positive
 from ._select import as_selectors
+from ._sharding import is_sharded
 from ._dtypes import HALF_DTYPES, default_device_type
 from ._torch_compat import local_buffers
 from .autocast import region_factory
@@ -165,19 +165,6 @@ def check_models(models: Any) -> list[nn.Module]:
                             "wrap; valid: apply the policy while sharding, with "
                             "ampkit.distributed.shard(model, policy) instead of initialize")
     return model_list
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds FSDP2 (``fully_shard``) modules or DTensor parameters.
-
-    Looks only at the torch modules already imported: a model cannot be sharded unless
-    they were, and importing them costs about a second.
-    """
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
-        return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from ._dtypes import HALF_DTYPES
 from ._kept_region import Fp32Region, KeptForward
 from ._select import Modules, Selector, as_selectors, matching
+from ._sharding import is_sharded
 from .convert import conversion_of
 
 _ATTR = "_ampkit_keep_fp32"
@@ -76,7 +77,8 @@ def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
         ValueError: a pattern or name matches no module (the message lists some), a
             selected module already has half parameters (``initialize`` ran: select
             before it, or pass ``initialize(..., keep_fp32=...)``), or already holds fp8
-            layers (``convert_to_fp8`` ran: select before it).
+            layers (``convert_to_fp8`` ran: select before it), or the selection changes on
+            a model already sharded (``ampkit.distributed.shard``: select before it).
 
     Example:
         >>> model = keep_fp32(model, ["head", "blocks.*.attn"])  # doctest: +SKIP
@@ -84,7 +86,13 @@ def keep_fp32(model: nn.Module, modules: Modules) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"keep_fp32 takes a torch.nn.Module, got {type(model).__name__} {model!r}")
     names = select(model, modules)
-    _check_change(model, kept_names(model), names)
+    before = kept_names(model)
+    if names != before and is_sharded(model):
+        raise ValueError("keep_fp32: the model is already sharded (ampkit.distributed.shard or "
+                         "fully_shard fixed each group's precision then), so a new selection "
+                         f"would change nothing (kept now: {before}); valid: call keep_fp32 "
+                         "before ampkit.distributed.shard")
+    _check_change(model, before, names)
     install(model, names)
     return model
 

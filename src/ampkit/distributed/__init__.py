@@ -16,7 +16,7 @@ rule for ``_amp_foreach_non_finite_check_and_unscale_``), so every rank skips to
 See docs/distributed.md.
 """
 
-from ..apply import is_sharded
+from .._sharding import is_sharded
 from .checkpoint import TrainState, load_checkpoint
 from .fsdp import fsdp_policy, shard
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..apply import is_sharded
+from .._sharding import is_sharded
 from ..master import MasterWeights
 from ..optim import master_weights_of, stash_of
 from ..scaler import GradScaler

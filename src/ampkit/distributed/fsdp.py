@@ -27,7 +27,7 @@ from .._select import Modules, Selector, as_selectors, matching
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
 from .._tables import warn_buffer_tables
 from .._torch_compat import fsdp2
-from ..apply import is_sharded
+from .._sharding import is_sharded
 from ..convert import BATCHNORM_TYPES, cast_model, conversion_of
 from ..fp8.allgather import gather_in_fp8
 from ..policy import Policy, get_policy
