@@ -11,9 +11,10 @@
 
 DDP needs nothing from here: ``initialize`` (or autocast + GradScaler) first, then wrap
 the model in ``DistributedDataParallel``. A GradScaler needs no ``process_group`` under
-FSDP2: unscaling DTensor gradients all-reduces found-inf over their mesh (torch's DTensor
-rule for ``_amp_foreach_non_finite_check_and_unscale_``), so every rank skips together.
-See docs/distributed.md.
+FSDP2: unscaling DTensor gradients all-reduces found-inf over their shards (torch's
+DTensor rule for ``_amp_foreach_non_finite_check_and_unscale_``), so every rank skips
+together; under HSDP an inf written into one replica's gradients after backward reaches
+the others only through ``GradScaler(process_group=...)``. See docs/distributed.md.
 """
 
 from .._sharding import is_sharded
