@@ -214,6 +214,8 @@ def _usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     (["--nproc", "1", "--parallel", "zero"], ["'zero'", "ddp", "fsdp"]),
     (["--nproc", "two"], ["'two'", "int"]),
     (["--nproc", "1", "--compile", "--warmup", "2"], ["--compile with --nproc"]),
+    # It was ignored: each rank runs every policy in one process.
+    (["--nproc", "1", "--isolate", "always"], ["--isolate always", "--nproc", "valid:"]),
 ])
 def test_bad_values_exit_2_before_launching(capsys, monkeypatch, argv, words):
     def no_launch(*args, **kwargs):

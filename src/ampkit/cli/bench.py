@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _measure as measure
     from ..bench import parallel, plot, report, verdict
     from ..bench.policies import parse_policy_list
-    from ..bench.errors import BenchInterrupted
+    from ..bench.errors import BenchInterrupted, UsageError
     from ..bench.runner import BenchSettings, failed, process_per_policy, run_bench
     from ..bench.workloads import get_workload
 
@@ -100,6 +100,10 @@ def run(args: argparse.Namespace) -> int:
     specs = [spec for text in (args.policies or [default_policies(device)])
              for spec in parse_policy_list(text, torch.device(device).type)]
     plan = parallel.check_plan(args.nproc, args.parallel, specs, device)  # None: one process
+    if plan is not None and args.isolate == "always":
+        raise UsageError("--isolate always with --nproc: each rank runs every policy in one "
+                         "process (torchrun's ranks are the processes); valid: leave out "
+                         "--isolate, or --isolate never")
     if args.plot:
         report.require_matplotlib(args.plot)
     check_output_paths(json=args.json, plot=args.plot)
