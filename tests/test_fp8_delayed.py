@@ -369,3 +369,32 @@ def test_a_non_finite_input_after_warm_up_leaves_the_other_rows_and_the_history_
     assert history[0] == before[0] and torch.equal(history[1:], before[:-1])
     out.nan_to_num().sum().backward()
     assert torch.isfinite(_train_step(layer, 2)).all()
+
+
+def _sqnr_db(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return (10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean())).item()
+
+
+@pytest.mark.parametrize("first", ["forward without backward", "overflowing step"])
+def test_a_backward_whose_history_has_seen_nothing_scales_by_its_own_amax(first):
+    """The gradient history was all zeros at the first backward after a grad-enabled
+    forward without one (a validation pass outside no_grad), or after a first step whose
+    gradient held an inf (not recorded): scale 1 then flushed every |g| < 1.5e-5 in e5m2,
+    so a mean-reduced loss's gradients (1e-6) all became zero (0 dB)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 64)
+    x, g = torch.randn(32, 64), torch.randn(32, 64) * 1e-6
+    layer = convert_to_fp8(copy.deepcopy(ref), recipe=DELAYED)
+    ref(x).backward(g)
+    if first == "forward without backward":
+        layer(x)
+    else:
+        bad = g.clone()
+        bad[0, 0] = float("inf")
+        layer(x).backward(bad)
+        layer.weight.grad = None
+        assert not layer.amax_history_grad_output.any()  # the inf was not recorded
+    layer(x).backward(g)
+    assert _sqnr_db(layer.weight.grad, ref.weight.grad) > 20
+    assert layer.amax_history_grad_output[0] == g.abs().max()

@@ -240,9 +240,11 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     recipe keeps its amax histories in non-persistent buffers, so ``state_dict`` holds
     exactly nn.Linear's ``weight`` and ``bias``; ``fp8_state_dict`` saves them to resume
     exactly. Its first training forward scales by the tensors' own amax (the histories
-    are empty); a layer called twice before its first backward sees an empty gradient
-    history in the second call's backward, so that one step's gradient is cast with
-    scale 1, as in Transformer Engine's first step. No-grad forwards (evaluation) read
+    are empty). A cast whose history has recorded nothing finite yet (the gradient's, at
+    the first backward after a forward without one or after a step whose gradient held
+    an inf) scales by its tensor's own amax too, eagerly; under torch.compile, where the
+    cast does not wait for that amax, it is cast with scale 1 that once, as in
+    Transformer Engine's first step. No-grad forwards (evaluation) read
     the histories without updating them. A layer built on the meta device gets zero
     histories on its weight's device, as one built there: at ``to_empty()``, or at the
     first forward after ``load_state_dict(..., assign=True)`` (under torch.compile one

@@ -207,6 +207,7 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
         algo: how the history becomes an amax.
         margin: see :func:`amax_to_scale`.
         warmup: scale by ``x``'s own amax (the first step, when the history is empty).
+            Eager, a history whose amax is 0 (nothing finite recorded yet) does the same.
         record: push ``x``'s amax into the history (False for no-grad forwards, e.g.
             evaluation, which should not move the training scales).
         used: when given, the amax the scale came from is appended to it (a copy: the
@@ -219,6 +220,12 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
         return quantize(x, dtype, scale=amax_to_scale(history_amax(history, algo), dtype, margin))
     amax = compute_amax(x)
     source = amax if warmup else read_history(history, algo)
+    if not warmup and not is_compiling():
+        # A history that has seen nothing finite yet (the first backward after a forward
+        # without one, or after a step whose amax was inf) would scale by 1, flushing
+        # small gradients to zero: this tensor's own finite amax instead, a warm-up.
+        # Eager only, where ``amax`` is already known; compiled, the cast stays one pass.
+        source = torch.where((source > 0) | ~amax.isfinite(), source, amax)
     if used is not None:
         used.append(source.clone())
     q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
