@@ -223,9 +223,10 @@ def quantize_delayed(x: Tensor, dtype: torch.dtype, history: Tensor, *,
     if not warmup and not is_compiling():
         # A history that has seen nothing finite yet (the first backward after a forward
         # without one, or after a step whose amax was inf) would scale by 1, flushing
-        # small gradients to zero: this tensor's own finite amax instead, a warm-up.
-        # Eager only, where ``amax`` is already known; compiled, the cast stays one pass.
-        source = torch.where((source > 0) | ~amax.isfinite(), source, amax)
+        # small gradients to zero: this tensor's own amax instead, a warm-up (two scalar
+        # kernels). Eager only, where ``amax`` is already known; compiled, the cast stays
+        # one pass over ``x``.
+        source = torch.where(source > 0, source, amax)
     if used is not None:
         used.append(source.clone())
     q = quantize(x, dtype, scale=amax_to_scale(source, dtype, margin))
