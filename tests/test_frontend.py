@@ -831,6 +831,23 @@ def test_load_state_dict_accepts_apex_entries_and_rejects_bad_ones():
     assert _scale(0) == 1024.0  # nothing loaded from the rejected dicts
 
 
+def test_a_static_scale_checkpoint_resumed_with_a_dynamic_scale_grows_again():
+    """A static run's 'unskipped' counts every step (5000 here); loaded into a dynamic
+    scaler (interval 2000) the scale never grew again before an overflow (apex's rule,
+    unskipped == interval, stalls the same way)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = initialize(model, optimizer, opt_level="O1", loss_scale="dynamic",
+                                  verbosity=0)
+    load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5000}})
+    assert state_dict()["loss_scaler0"] == {"loss_scale": 128.0, "unskipped": 1999}
+    x, y = _batch(0)
+    with scale_loss(F.cross_entropy(model(x), y), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert state_dict()["loss_scaler0"] == {"loss_scale": 256.0, "unskipped": 0}
+
+
 def test_load_state_dict_with_another_loss_count_warns_and_loads_in_order_as_apex():
     """It was refused: apex warned and loaded the entries it had scalers for, so a run
     resumed with another num_losses kept going."""

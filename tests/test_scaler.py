@@ -934,3 +934,36 @@ def test_it_is_a_torch_amp_gradscaler_running_only_its_own_code():
     assert torch.equal(model.bias.grad, torch.tensor([8.0]))
     state = {"scaler": scaler.state_dict() if isinstance(scaler, torch.amp.GradScaler) else {}}
     assert state["scaler"]["scale"] == 8.0
+
+
+def _clean_steps(scaler: GradScaler, steps: int) -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_a_growth_tracker_at_or_past_the_interval_grows_at_the_next_clean_step():
+    """torch's rule grows only when tracker + 1 == interval: a tracker past it (a smaller
+    set_growth_interval mid-run, or a state loaded so: an apex static-scale run resumed
+    with a dynamic one) never grew again until an overflow. (torch's own scaler stalls.)"""
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=10)
+    _clean_steps(scaler, 6)
+    scaler.set_growth_interval(4)
+    assert scaler._get_growth_tracker() == 3
+    _clean_steps(scaler, 1)
+    assert (scaler.get_scale(), scaler._get_growth_tracker()) == (16.0, 0)
+    _clean_steps(scaler, 4)
+    assert scaler.get_scale() == 32.0
+
+    loaded = GradScaler("cpu")
+    loaded.load_state_dict(dict(scaler.state_dict(), _growth_tracker=30))
+    assert loaded._get_growth_tracker() == 3
+    _clean_steps(loaded, 1)
+    assert loaded.get_scale() == 64.0
+    unused = GradScaler("cpu")  # before its first scale(): the tracker is a number
+    unused.set_growth_interval(1)
+    assert unused._get_growth_tracker() == 0

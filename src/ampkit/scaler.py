@@ -709,8 +709,17 @@ class GradScaler(torch.amp.GradScaler):
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (an int >= 1)."""
+        """Set the growth interval (an int >= 1).
+
+        A growth tracker already at or past the new interval is set to ``interval - 1``,
+        so the next clean step grows the scale (torch's rule, ``tracker + 1 == interval``,
+        would never grow it again before an overflow).
+        """
         self._growth_interval = _count("growth_interval", new_interval, 1, INT64_MAX)
+        last = min(self._growth_interval - 1, INT32_MAX)
+        self._init_growth_tracker = min(self._init_growth_tracker, last)
+        if self._growth_tracker is not None:
+            self._growth_tracker.clamp_(max=last)  # on the device: no sync
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -803,7 +812,9 @@ class GradScaler(torch.amp.GradScaler):
 
         Keys torch's lacks keep this scaler's settings (min/max scale, hysteresis) and start
         the counters at 0. A saved scale of 0 or inf (torch can reach both) is clamped into
-        [min_scale, max_scale]. Everything is validated before anything changes.
+        [min_scale, max_scale], a growth tracker at or past the growth interval to
+        ``interval - 1`` (the next clean step grows; see ``set_growth_interval``).
+        Everything is validated before anything changes.
         Example: ``scaler.load_state_dict(torch.load(path)["scaler"])``.
         """
         if not self._enabled:
@@ -841,16 +852,16 @@ class GradScaler(torch.amp.GradScaler):
         low, high = _bounds(state_dict.get("min_scale", self._min_scale),
                             state_dict.get("max_scale", self._max_scale))
         scale = _in_range("scale", state_dict["scale"], 0.0, math.inf, low_open=False)
+        interval = _count("growth_interval", state_dict["growth_interval"], 1, INT64_MAX)
+        tracker = _count("_growth_tracker", state_dict["_growth_tracker"], 0, INT32_MAX)
         return {
             "scale": scale, "min_scale": low, "max_scale": high,
             "growth_factor": _growth_factor(state_dict["growth_factor"]),
             "backoff_factor": _backoff_factor(state_dict["backoff_factor"]),
-            "growth_interval": _count("growth_interval", state_dict["growth_interval"], 1,
-                                      INT64_MAX),
+            "growth_interval": interval,
             "hysteresis": _count("hysteresis", state_dict.get("hysteresis", self._hysteresis), 1,
                                  INT32_MAX),
-            "_growth_tracker": _count("_growth_tracker", state_dict["_growth_tracker"], 0,
-                                      INT32_MAX),
+            "_growth_tracker": min(tracker, interval - 1),
             "steps": _count("steps", state_dict.get("steps", 0), 0),
             "skipped_steps": _count("skipped_steps", state_dict.get("skipped_steps", 0), 0,
                                     INT64_MAX),
