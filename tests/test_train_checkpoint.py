@@ -207,3 +207,14 @@ def test_an_empty_checkpoint_file_says_so(capsys, tmp_path):
     empty.write_bytes(b"")
     line = resume_error(capsys, empty)
     assert "(the file is empty); valid: the --checkpoint file of an earlier run" in line
+
+
+def test_another_name_of_the_same_policy_resumes_and_another_policy_is_refused(capsys, ckpt):
+    """The policies were compared as strings: --policy fp32 could not resume a 32-true
+    checkpoint (nor fp16-mixed a 16-mixed one)."""
+    argv = [*RESUME, str(ckpt)]
+    at = argv.index("32-true")
+    assert main(argv[:at] + ["bf16-mixed"] + argv[at + 1:]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "written with policy='32-true', this run has policy='bf16-mixed'" in line
+    assert main(argv[:at] + ["fp32"] + argv[at + 1:]) == 0, capsys.readouterr().err

@@ -286,12 +286,26 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
 
 
 def check_resume_settings(saved: dict[str, Any], settings: TrainSettings) -> None:
-    """UsageError unless a checkpoint's settings match this run's (epochs may grow)."""
+    """UsageError unless a checkpoint's settings match this run's (epochs may grow); a
+    policy may be given by another name of the same policy ("fp32" for "32-true")."""
     for key in _RESUME_KEYS:
+        if key == "policy" and _same_policy(saved.get(key), settings):
+            continue
         if saved.get(key) != getattr(settings, key):
             raise UsageError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
                              f"has {key}={getattr(settings, key)!r}; valid: the checkpoint's "
                              "settings, or leave out --resume")
+
+
+def _same_policy(saved: Any, settings: TrainSettings) -> bool:
+    """Whether the checkpoint's policy name resolves, on this run's device, to this run's
+    policy (the same Policy and fp8 recipe)."""
+    device_type = torch.device(settings.device).type
+    try:
+        old, new = parse_policy(saved, device_type), parse_policy(settings.policy, device_type)
+    except (UsageError, TypeError, ValueError, AttributeError):  # not a policy name
+        return False
+    return (old.policy, old.fp8_recipe) == (new.policy, new.fp8_recipe)
 
 
 def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
