@@ -209,6 +209,17 @@ def test_an_empty_checkpoint_file_says_so(capsys, tmp_path):
     assert "(the file is empty); valid: the --checkpoint file of an earlier run" in line
 
 
+def test_a_truncated_checkpoint_file_says_so(capsys, tmp_path, ckpt):
+    """Cut short, it said "(OSError: [Errno 22] Invalid argument)" (or a zip reader's
+    message), not that the file was truncated."""
+    data = ckpt.read_bytes()
+    for size in (len(data) - 10, len(data) // 2):
+        cut = tmp_path / f"cut{size}.pt"
+        cut.write_bytes(data[:size])
+        line = resume_error(capsys, cut)
+        assert "(not a whole torch file: truncated or damaged; " in line, line
+
+
 def test_another_name_of_the_same_policy_resumes_and_another_policy_is_refused(capsys, ckpt):
     """The policies were compared as strings: --policy fp32 could not resume a 32-true
     checkpoint (nor fp16-mixed a 16-mixed one)."""

@@ -135,8 +135,8 @@ def _read(source: Union[str, io.BytesIO], path: str) -> Any:
                          "file of an earlier run") from None
     except Exception as err:  # a truncated or foreign file can fail in many ways
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        why = (f"{type(err).__name__}: {first}" if first else
-               "the file is empty" if isinstance(source, str) and os.path.getsize(source) == 0
-               else f"{type(err).__name__}: it ends early")
+        why = ("the file is empty" if isinstance(source, str) and os.path.getsize(source) == 0
+               else f"not a whole torch file: truncated or damaged; {type(err).__name__}: "
+                    f"{first or 'it ends early'}")
         raise UsageError(f"--resume: cannot read checkpoint {path!r} ({why}); valid: the "
                          "--checkpoint file of an earlier run, whole") from None
