@@ -235,6 +235,30 @@ def test_state_dict_is_fp32_for_a_half_model(dtype):
     assert torch.equal(fresh[0].weight, model[0].weight.float())
 
 
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # one parameter under two names
+
+
+def test_a_tied_half_parameter_is_one_fp32_tensor_in_the_state_dict():
+    """Without masters (O3) each name got its own fp32 copy: torch.save and
+    save_pretrained wrote the tied weight twice, and the two keys were no longer one."""
+    model = _Tied()
+    convert_model(model, param_dtype=torch.float16, keep_fp32=())
+    state = model.state_dict()
+    assert state["embed.weight"].dtype == torch.float32
+    assert state["embed.weight"].data_ptr() == state["head.weight"].data_ptr()
+    again = model.state_dict()["head.weight"]  # another state dict: its own copy
+    assert again.data_ptr() != state["head.weight"].data_ptr()
+    with torch.no_grad():
+        model.embed.weight.add_(1)
+    model.state_dict(destination=state)  # written again: the values of now
+    assert torch.equal(state["head.weight"], model.embed.weight.float())
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_state_dict_saves_and_loads_the_fp32_masters(dtype):
     model = _net()

@@ -23,6 +23,7 @@ from ._torch_compat import (
     register_state_dict_post_hook,
     register_state_dict_pre_hook,
     swaps_params_on_load,
+    tensor_version,
 )
 from .master import master_of, resume_after_swap, suspend_for_swap
 
@@ -126,7 +127,7 @@ def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
         master = master_of(param)
         keep_vars = state_dict[key] is param  # state_dict(keep_vars=True): the variables
         if master is None:
-            value = _fp32(state_dict[key])
+            value = _fp32_of(state_dict, param, state_dict[key])
             # An fp32 copy of a half parameter still says whether it trains, as the
             # parameter would (``{k: v ... if v.requires_grad}`` picks the trained ones).
             state_dict[key] = (value.requires_grad_(param.requires_grad)
@@ -146,6 +147,32 @@ def _save_fp32(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
 
 def _fp32(tensor: Tensor) -> Tensor:
     return tensor.detach().float() if tensor.dtype in HALF_DTYPES else tensor
+
+
+# Per state dict being written (by id, while it lives): the fp32 copy made of each half
+# parameter and the parameter's version then, so one parameter under two names (tied
+# weights) is one tensor in it, as in an fp32 model's state dict, and a checkpoint holds
+# it once. (A destination written again after the parameter changed gets a new copy.)
+_COPIES: dict[int, dict[int, tuple[int, Tensor]]] = {}
+
+
+def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
+    if value.dtype not in HALF_DTYPES:
+        return value
+    copies = _COPIES.get(id(state_dict))
+    if copies is None:
+        try:
+            weakref.finalize(state_dict, _COPIES.pop, id(state_dict), None)
+        except TypeError:  # a destination that takes no weak reference (a plain dict)
+            return _fp32(value)
+        copies = _COPIES[id(state_dict)] = {}
+    version = tensor_version(param)
+    seen = copies.get(id(param))
+    if seen is not None and seen[0] == version and seen[1].shape == value.shape:
+        return seen[1]
+    copy = _fp32(value)
+    copies[id(param)] = (version, copy)
+    return copy
 
 
 def _refuse_assign(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
