@@ -537,3 +537,22 @@ def test_add_param_group_refuses_a_param_another_optimizer_steps_through_its_mas
                                          r"another optimizer through its fp32 master"):
         head.add_param_group({"params": list(model[0].parameters())})
     assert len(head.param_groups) == 1 and master_of(model[0].weight) is master
+
+
+def test_a_parameter_resized_after_initialize_is_named_at_the_step():
+    """transformers' resize_token_embeddings swaps an embedding's .data for a larger one:
+    under O2 the step then failed in torch's "attempting to assign a gradient of size
+    '[12, 4]' to a tensor of size '[10, 4]'", naming neither cause nor fix."""
+    import ampkit
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level="O2",
+                                         half_dtype=torch.bfloat16, verbosity=0)
+    with torch.no_grad():  # what resize_token_embeddings does, in small
+        model[0].weight.data = torch.cat([model[0].weight, model[0].weight[:2]])
+    loss = model(torch.tensor([[11, 3]])).float().sum()
+    with pytest.raises(ValueError, match=r"model parameter 0 has shape \(12, 4\), its fp32 "
+                                         r"master \(10, 4\).*resize before ampkit.initialize"):
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()

@@ -210,29 +210,46 @@ class MasterWeights:
             plan = self._full_plan
         else:
             masters = [master for _, master in pending]
-        new = _to_fp32(params, masters, plan, free=not keep)
-        if unscale is not None:
-            unscale(new)
-        pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
-        if keep:  # every master mirrors its model param: a param without a grad, none
-            for master in self.master_params:
-                master.grad = None
+        try:  # free when nothing raises (one frame, no call)
+            new = _to_fp32(params, masters, plan, free=not keep)
+            if unscale is not None:
+                unscale(new)
+            pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
+            if keep:  # every master mirrors its model param: a param without a grad, none
+                for master in self.master_params:
+                    master.grad = None
+                for master, grad in pairs:
+                    master.grad = grad
+                self._mirror = [(p, p.grad, tensor_version(p.grad)) for p in params]
+                return
+            adding = [(master, grad) for master, grad in pairs if master.grad is not None]
             for master, grad in pairs:
-                master.grad = grad
-            self._mirror = [(p, p.grad, tensor_version(p.grad)) for p in params]
-            return
-        adding = [(master, grad) for master, grad in pairs if master.grad is not None]
-        for master, grad in pairs:
-            if master.grad is None:
-                master.grad = grad  # the usual case: the last step consumed the masters' grads
-        if adding:  # several moves before one step (accumulation): one multi-tensor add
-            dense = [(m.grad, g) for m, g in adding if not (g.is_sparse or m.grad.is_sparse)]
-            with torch.no_grad():
-                if dense:
-                    foreach_add_([total for total, _ in dense], [grad for _, grad in dense])
-                for master, grad in adding:
-                    if grad.is_sparse or master.grad.is_sparse:
-                        master.grad = master.grad + grad  # sparse tensors have no in-place add_
+                if master.grad is None:
+                    master.grad = grad  # the usual case: the last step consumed the masters' grads
+            if adding:  # several moves before one step (accumulation): one multi-tensor add
+                dense = [(m.grad, g) for m, g in adding if not (g.is_sparse or m.grad.is_sparse)]
+                with torch.no_grad():
+                    if dense:
+                        foreach_add_([total for total, _ in dense], [grad for _, grad in dense])
+                    for master, grad in adding:
+                        if grad.is_sparse or master.grad.is_sparse:
+                            master.grad = master.grad + grad  # sparse tensors have no in-place add_
+        except RuntimeError as err:
+            resized = self._resized()
+            if resized is None:
+                raise
+            raise ValueError(resized) from err
+
+    def _resized(self) -> Optional[str]:
+        """Why a model parameter no longer fits its master (None when all fit)."""
+        for i, (param, master) in enumerate(zip(self.model_params, self.master_params)):
+            if param.shape != master.shape:
+                return (f"model parameter {i} has shape {tuple(param.shape)}, its fp32 master "
+                        f"{tuple(master.shape)}: it was resized or replaced after "
+                        "ampkit.initialize (transformers' resize_token_embeddings, say), so its "
+                        "gradients cannot reach the master; valid: resize before "
+                        "ampkit.initialize")
+        return None
 
     # --- parameters master -> model -------------------------------------------------------
     def copy_to_model(self) -> None:
