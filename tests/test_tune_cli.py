@@ -120,3 +120,16 @@ def test_candidates_auto_is_the_device_default_as_bench_policies_auto(tmp_path):
     assert main(["tune", *TINY, "--json", str(default)]) == 0
     assert (json.loads(out.read_text())["settings"]["candidates"]
             == json.loads(default.read_text())["settings"]["candidates"])
+
+
+def test_a_non_finite_fp32_reference_is_not_called_the_fastest_choice():
+    """fp32's own loss NaN: the last line said "no candidate was faster than fp32 ...; train
+    in plain fp32", though a candidate was measured faster and fp32 itself was NaN."""
+    from ampkit.cli.tune import choice_sentence
+    from ampkit.tune import TuneResult, choose
+    rows = [{"policy": "32-true", "step_ms": 10.0, "peak_mib": None, "max_loss_dev": None},
+            {"policy": "bf16-mixed", "step_ms": 6.0, "peak_mib": None, "max_loss_dev": None}]
+    policy, speedup = choose(rows, 0.02)
+    line = choice_sentence(TuneResult(policy, rows, speedup), 0.02)
+    assert line.startswith("Chosen: none judged (32-true by default): the fp32 reference")
+    assert "faster" not in line

@@ -144,7 +144,11 @@ def tune_rows(result: Any) -> list[list[str]]:
 
 def choice_sentence(result: Any, max_loss_dev: float) -> str:
     """What ``ampkit tune`` ends with: the policy chosen and why."""
+    from ..tune import REF_NOT_FINITE
+
     tolerance = f"{max_loss_dev * 100:g}%"
+    if result.rows and result.rows[0]["reason"] == REF_NOT_FINITE:
+        return (f"Chosen: none judged ({result.policy} by default): {REF_NOT_FINITE}.")
     if result.policy == result.rows[0]["policy"]:
         return (f"Chosen: {result.policy}: no candidate was faster than fp32 within the "
                 f"{tolerance} loss tolerance on this device; train in plain fp32.")
