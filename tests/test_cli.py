@@ -55,6 +55,10 @@ def usage_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
 def test_version_help_and_info_run_as_a_user_would(capsys):
     version = run_cli("--version")  # one real process: `python -m ampkit.cli` works
     assert (version.returncode, version.stdout.strip()) == (0, f"ampkit {ampkit.__version__}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    short = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True,
+                           text=True, env=env, timeout=120)  # and `python -m ampkit` (it did not)
+    assert (short.returncode, short.stdout) == (0, version.stdout)
     assert main(["bench", "--help"]) == 0
     helped = capsys.readouterr().out
     assert "--policies" in helped and "fp8" in helped
