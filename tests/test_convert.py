@@ -257,6 +257,10 @@ def test_a_tied_half_parameter_is_one_fp32_tensor_in_the_state_dict():
         model.embed.weight.add_(1)
     model.state_dict(destination=state)  # written again: the values of now
     assert torch.equal(state["head.weight"], model.embed.weight.float())
+    model.embed.weight.data.mul_(2)  # a change autograd's version count does not see
+    model.state_dict(destination=state)
+    assert torch.equal(state["head.weight"], model.embed.weight.float())
+    assert state["embed.weight"].data_ptr() == state["head.weight"].data_ptr()
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)

@@ -967,3 +967,70 @@ def test_a_growth_tracker_at_or_past_the_interval_grows_at_the_next_clean_step()
     unused = GradScaler("cpu")  # before its first scale(): the tracker is a number
     unused.set_growth_interval(1)
     assert unused._get_growth_tracker() == 0
+
+
+class _SelfUnscaling(torch.optim.SGD):
+    """An optimizer taking ``grad_scaler=`` (apex's DistributedFusedAdam, NeMo's): it
+    unscales itself and records its found-inf in the scaler's per-optimizer state."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, *, grad_scaler=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        found_inf = torch.zeros(())
+        inv = grad_scaler._get_scale_async().double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {
+            found_inf.device: found_inf}
+        if found_inf.item():
+            return None
+        return super().step(closure)
+
+
+def _flags_replaced_by(base):
+    class ReducedFlags(base):
+        """Writes flags reduced across ranks (another rank overflowed) after unscale_."""
+
+        def unscale_(self, optimizer):
+            super().unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = {
+                d: torch.ones_like(v) for d, v in state["found_inf_per_device"].items()}
+    return ReducedFlags
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+def test_found_inf_per_device_written_by_other_code_decides_as_in_torch():
+    """ampkit read its own folded flag only: an optimizer recording its found-inf through
+    grad_scaler= made update() raise "No inf checks were recorded", and flags a subclass
+    replaced after unscale_ were ignored (the step ran, the scale stayed)."""
+    def self_unscaling(make):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = _SelfUnscaling(model.parameters(), lr=0.1)
+        scaler, scales = make("cpu", init_scale=8.0), []
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).sum() * (math.inf if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        return scales, model.weight.detach()
+
+    def replaced(make):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = _flags_replaced_by(make)("cpu", init_scale=8.0)
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        return scaler.get_scale(), model.weight.detach()
+
+    for run in (self_unscaling, replaced):
+        (ours, w_ours), (theirs, w_theirs) = run(GradScaler), run(torch.amp.GradScaler)
+        assert ours == theirs and torch.equal(w_ours, w_theirs), run.__name__
+    assert self_unscaling(GradScaler)[0] == [8.0, 4.0, 4.0]
+    assert replaced(GradScaler)[0] == 4.0

@@ -23,7 +23,6 @@ from ._torch_compat import (
     register_state_dict_post_hook,
     register_state_dict_pre_hook,
     swaps_params_on_load,
-    tensor_version,
 )
 from .master import master_of, resume_after_swap, suspend_for_swap
 
@@ -150,10 +149,12 @@ def _fp32(tensor: Tensor) -> Tensor:
 
 
 # Per state dict being written (by id, while it lives): the fp32 copy made of each half
-# parameter and the parameter's version then, so one parameter under two names (tied
-# weights) is one tensor in it, as in an fp32 model's state dict, and a checkpoint holds
-# it once. (A destination written again after the parameter changed gets a new copy.)
-_COPIES: dict[int, dict[int, tuple[int, Tensor]]] = {}
+# parameter, so one parameter under two names (tied weights) is one tensor in it, as in
+# an fp32 model's state dict, and a checkpoint holds it once. A copy is reused only for
+# the same parameter (a weak reference, not an id a later one may get) whose values it
+# still holds exactly: a destination written again after the parameter changed (through
+# ``.data`` too, which autograd's version count misses) gets a new copy.
+_COPIES: dict[int, dict[int, tuple[weakref.ref, Tensor]]] = {}
 
 
 def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
@@ -166,12 +167,12 @@ def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
         except TypeError:  # a destination that takes no weak reference (a plain dict)
             return _fp32(value)
         copies = _COPIES[id(state_dict)] = {}
-    version = tensor_version(param)
     seen = copies.get(id(param))
-    if seen is not None and seen[0] == version and seen[1].shape == value.shape:
+    if (seen is not None and seen[0]() is param and seen[1].shape == value.shape
+            and torch.equal(seen[1].to(value.dtype), value)):  # only tied params get here
         return seen[1]
     copy = _fp32(value)
-    copies[id(param)] = (version, copy)
+    copies[id(param)] = (weakref.ref(param), copy)
     return copy
 
 

@@ -115,7 +115,8 @@ def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+    # torch's two keys, and the per-device dict ampkit's own "found_inf" was folded from
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_inf_from": None}
 
 
 # Whether an optimizer's step takes the deprecated ``grad_scaler`` keyword, per function:
@@ -412,6 +413,21 @@ class GradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = per_device
         state["found_inf"] = found_inf
+        state["found_inf_from"] = per_device
+
+    def _found_inf(self, state: dict[str, Any]) -> Tensor:
+        """An optimizer's found-inf flag: the one ampkit folded, unless other code has put
+        another ``found_inf_per_device`` in its state since, as torch's protocol lets it
+        (an optimizer taking ``grad_scaler=`` records its own; a subclass may write flags
+        reduced across ranks): then that dict's flags, folded as torch reads them."""
+        per_device = state["found_inf_per_device"]
+        if state.get("found_inf_from") is per_device:
+            return state["found_inf"]
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        fold_into(found_inf, per_device)
+        self._sync_found_inf(found_inf)
+        state["found_inf"], state["found_inf_from"] = found_inf, per_device
+        return found_inf
 
     def _grads_to_unscale(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
         """The optimizer's gradients, the model's half ones moved into its masters first."""
@@ -494,7 +510,8 @@ class GradScaler(torch.amp.GradScaler):
         # The one host sync of a plain step: Python must know whether to call step().
         # Zeroing the grads instead would not be a skip (momentum, Adam moments and
         # step counts, weight decay still change the parameters).
-        found = state["found_inf"].item()
+        found = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
+                 else self._found_inf(state)).item()
         state["found_host"] = found
         if not found:
             return optimizer.step(*args, **kwargs)
@@ -525,7 +542,9 @@ class GradScaler(torch.amp.GradScaler):
         else:
             grad_scale = self._scale if previous is None else self._scale * previous
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = state["found_inf"]  # type: ignore[attr-defined]
+        found_inf = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
+                     else self._found_inf(state))
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         fresh = fresh_momentum(optimizer)
         try:
             retval = optimizer.step(*args, **kwargs)
@@ -533,7 +552,7 @@ class GradScaler(torch.amp.GradScaler):
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
         if fresh:
-            clear_if_skipped(optimizer, fresh, state["found_inf"])
+            clear_if_skipped(optimizer, fresh, found_inf)
         state["stage"] = OptState.STEPPED
         return retval
 
@@ -552,7 +571,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         self._check_scale_growth_tracker("update")
-        states = [s for s in self._per_optimizer_states.values() if "found_inf" in s]
+        states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         found_inf = self._combined_found_inf(states, required=new_scale is None)
         if new_scale is not None:
             self._set_scale(new_scale)
@@ -568,19 +587,18 @@ class GradScaler(torch.amp.GradScaler):
         check_floor(self, self._last_skipped_host if known else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
-    @staticmethod
-    def _combined_found_inf(states: list[dict[str, Any]], required: bool) -> Optional[Tensor]:
+    def _combined_found_inf(self, states: list[dict[str, Any]],
+                            required: bool) -> Optional[Tensor]:
         """The sum of the found-inf flags of ``states`` (the optimizers that recorded one)."""
-        checked = False
-        for state in states:  # a loop, not any(<genexpr>): update runs every step
-            checked = checked or bool(state["found_inf_per_device"])
-        if not checked:
+        if not states:
             if required:
                 raise _StateError("No inf checks were recorded prior to update.")
             return None
-        combined = states[0]["found_inf"]
-        for state in states[1:]:
-            combined = combined + state["found_inf"]
+        combined = None
+        for state in states:  # a loop, not sum(<genexpr>): update runs every step
+            flag = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
+                    else self._found_inf(state))
+            combined = flag if combined is None else combined + flag
         return combined
 
     def _apply_update(self, found_inf: Tensor, *, synced: bool = False) -> None:
