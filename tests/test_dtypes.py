@@ -291,3 +291,39 @@ def test_a_mapping_whose_copy_shares_its_storage_is_left_as_it_was():
     cast = cast_tree(batch, torch.float16)
     assert batch["x"] is x and batch["y"].dtype is torch.float32
     assert type(cast) is dict and cast["x"].dtype is cast["y"].dtype is torch.float16
+
+
+class _Converting(collections.abc.MutableMapping):
+    """A mapping that stores lists and hands out a new tensor at each read."""
+
+    def __init__(self, **items):
+        self.store = dict(items)
+
+    def __copy__(self):
+        return _Converting(**self.store)
+
+    def __getitem__(self, key):
+        value = self.store[key]
+        return torch.tensor(value) if isinstance(value, list) else value
+
+    def __setitem__(self, key, value):
+        self.store[key] = value
+
+    def __delitem__(self, key):
+        del self.store[key]
+
+    def __iter__(self):
+        return iter(self.store)
+
+    def __len__(self):
+        return len(self.store)
+
+
+def test_a_mapping_handing_out_new_objects_is_not_written_to():
+    """Its reads never return the old object, which the shared-storage check took for a
+    write that reached the original: it then wrote a tensor into the caller's mapping."""
+    from ampkit._dtypes import cast_tree
+    batch = _Converting(x=[1.0, 2.0])
+    cast = cast_tree(batch, torch.float16)
+    assert batch.store == {"x": [1.0, 2.0]}
+    assert type(cast) is _Converting and cast["x"].dtype is torch.float16

@@ -922,7 +922,7 @@ def test_it_is_a_torch_amp_gradscaler_running_only_its_own_code():
     # No torch method runs on ampkit's state: each one torch defines is overridden here
     # (a method a later torch adds fails this, instead of running on missing attributes).
     torch_methods = [name for name, value in vars(torch.amp.GradScaler).items()
-                     if callable(value) or isinstance(value, (staticmethod, classmethod))]
+                     if callable(value) or isinstance(value, (staticmethod, classmethod, property))]
     assert "step" in torch_methods and "__getstate__" in torch_methods
     assert [n for n in torch_methods if n not in vars(GradScaler)] == []
 

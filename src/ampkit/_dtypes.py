@@ -234,7 +234,7 @@ def _rebuild_mapping(original: abc.Mapping, cast: dict) -> abc.Mapping:
             old = original[key]
             if value is not old:
                 rebuilt[key] = value
-                if original[key] is not old:  # one storage: undone, and not used
+                if original[key] is value:  # the write reached it: one storage; undone
                     original[key] = old
                     return cast
         return rebuilt
