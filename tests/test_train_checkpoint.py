@@ -229,3 +229,16 @@ def test_another_name_of_the_same_policy_resumes_and_another_policy_is_refused(c
     line = capsys.readouterr().err.strip()
     assert "written with policy='32-true', this run has policy='bf16-mixed'" in line
     assert main(argv[:at] + ["fp32"] + argv[at + 1:]) == 0, capsys.readouterr().err
+
+
+def test_a_policy_name_is_resolved_on_the_device_the_checkpoint_was_written_on():
+    """"O2" written on CUDA is fp16: it was resolved on this run's CPU (bf16) and taken for
+    O2-bf16."""
+    from ampkit.bench.train import check_resume_settings
+    from ampkit.bench.errors import UsageError
+    saved = {**SETTINGS.__dict__, "policy": "O2", "device": "cuda"}
+    settings = TrainSettings(**{**SETTINGS.__dict__, "policy": "O2-bf16"})
+    with pytest.raises(UsageError, match="written with policy='O2', this run has policy='O2-bf16'"):
+        check_resume_settings(saved, settings)
+    check_resume_settings({**saved, "policy": "O2-fp16"}, TrainSettings(
+        **{**SETTINGS.__dict__, "policy": "O2", "device": "cuda"}))  # the same on CUDA

@@ -289,7 +289,7 @@ def check_resume_settings(saved: dict[str, Any], settings: TrainSettings) -> Non
     """UsageError unless a checkpoint's settings match this run's (epochs may grow); a
     policy may be given by another name of the same policy ("fp32" for "32-true")."""
     for key in _RESUME_KEYS:
-        if key == "policy" and _same_policy(saved.get(key), settings):
+        if key == "policy" and _same_policy(saved, settings):
             continue
         if saved.get(key) != getattr(settings, key):
             raise UsageError(f"the checkpoint was written with {key}={saved.get(key)!r}, this run "
@@ -297,13 +297,14 @@ def check_resume_settings(saved: dict[str, Any], settings: TrainSettings) -> Non
                              "settings, or leave out --resume")
 
 
-def _same_policy(saved: Any, settings: TrainSettings) -> bool:
-    """Whether the checkpoint's policy name resolves, on this run's device, to this run's
-    policy (the same Policy and fp8 recipe)."""
-    device_type = torch.device(settings.device).type
+def _same_policy(saved: dict[str, Any], settings: TrainSettings) -> bool:
+    """Whether the checkpoint's policy, resolved on the device it was written on (an "O2"
+    is fp16 on CUDA, bf16 on a CPU), is this run's policy on this run's device (the same
+    Policy and fp8 recipe)."""
     try:
-        old, new = parse_policy(saved, device_type), parse_policy(settings.policy, device_type)
-    except (UsageError, TypeError, ValueError, AttributeError):  # not a policy name
+        old = parse_policy(saved.get("policy"), torch.device(saved.get("device")).type)
+        new = parse_policy(settings.policy, torch.device(settings.device).type)
+    except (UsageError, TypeError, ValueError, AttributeError, RuntimeError):  # not a name
         return False
     return (old.policy, old.fp8_recipe) == (new.policy, new.fp8_recipe)
 
