@@ -333,6 +333,16 @@ def no_target():
     return torch.nn.Linear(4, 2), (torch.randn(5, 4), None)
 
 
+class Listed(Keywords):
+    def forward(self, xs):
+        return super().forward(*xs)
+
+
+def as_list():
+    torch.manual_seed(0)
+    return Listed(), ([torch.randn(5, 4), torch.randn(5, 3)], torch.randn(5, 2))
+
+
 def no_tensor():
     return torch.nn.Linear(4, 2), ({"x": 1}, torch.randn(5, 2))
 """
@@ -346,13 +356,13 @@ def test_a_user_functions_batch_may_be_a_dict_a_tuple_or_have_no_target(capsys, 
     monkeypatch.chdir(tmp_path)  # bench's policy workers import it from the current folder
     monkeypatch.syspath_prepend(str(tmp_path))
     docs = {}
-    for name in ("as_dict", "as_tuple", "no_target"):
+    for name in ("as_dict", "as_tuple", "no_target", "as_list"):
         out = tmp_path / f"{name}.json"
         assert main(["doctor", "--model", f"batchmods:{name}", "--policy", "bf16-mixed",
                      "--json", str(out), "--quiet"]) == 0, capsys.readouterr().err
         docs[name] = strict(out.read_text())
     # The same weights and batch, given as keywords or positionally: the same report.
-    assert docs["as_dict"]["modules"] == docs["as_tuple"]["modules"]
+    assert docs["as_dict"]["modules"] == docs["as_tuple"]["modules"] == docs["as_list"]["modules"]
     assert [m["name"] for m in docs["as_dict"]["modules"]] == ["a", "b"]
     assert [m["name"] for m in docs["no_target"]["modules"]] == [""]
     bench_json = tmp_path / "bench.json"
@@ -366,3 +376,7 @@ def test_a_user_functions_batch_may_be_a_dict_a_tuple_or_have_no_target(capsys, 
     line = usage_error(capsys, "--model", "batchmods:no_tensor", "--quiet")
     assert "returned (Linear, ({'x': int}, Tensor(5, 2)))" in line
     assert "a dict of them (model(**inputs))" in line and "None" in line
+    tuned = tmp_path / "tune.json"  # tune takes it too
+    assert main(["tune", "--model", "batchmods:as_dict", "--steps", "3", "--candidates",
+                 "32-true", "--json", str(tuned), "--quiet"]) == 0, capsys.readouterr().err
+    assert strict(tuned.read_text())["recommended"] == "32-true"

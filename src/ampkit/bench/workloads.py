@@ -284,9 +284,9 @@ _BUILDERS: dict[str, Callable[[int, bool, int], Workload]] = {
 # --- user workloads: "package.module:function" -> (model, (inputs, targets)[, loss_fn]) ---
 _EXPECTED = ("expected (torch.nn.Module, (inputs, targets)) or "
              "(torch.nn.Module, (inputs, targets), loss_fn) with loss_fn(output, targets) -> "
-             "loss; inputs: a tensor (model(inputs)), a tuple of tensors (model(*inputs)) or "
-             "a dict of them (model(**inputs)); targets: a tensor, or None (the loss is then "
-             "the mean output, or loss_fn's)")
+             "loss; inputs: a tensor or a list of tensors (model(inputs)), a tuple of tensors "
+             "(model(*inputs)) or a dict of them (model(**inputs)); targets: a tensor, or "
+             "None (the loss is then the mean output, or loss_fn's)")
 
 
 def load_user_function(spec: str, valid: str = VALID_MODELS) -> Callable[..., Any]:
@@ -399,10 +399,10 @@ def _check_user_result(spec: str, result: Any) -> tuple[nn.Module, Batch, Option
 
 
 def _is_batch(inputs: Any) -> bool:
-    """A tensor, or a tuple or mapping holding tensors (at least one: the batch's rows)."""
+    """A tensor, or a tuple, list or mapping holding tensors (at least one: the batch's rows)."""
     if isinstance(inputs, Tensor):
         return True
-    if isinstance(inputs, tuple) or isinstance(inputs, abc.Mapping):
+    if isinstance(inputs, (tuple, list)) or isinstance(inputs, abc.Mapping):
         return next(iter_tensors(inputs), None) is not None
     return False
 
@@ -415,7 +415,8 @@ def _shapes(inputs: Any) -> str:
 def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_describe(v) for v in value[:4])
-        return f"({inner}{', ...' if len(value) > 4 else ''})"
+        inner += ", ..." if len(value) > 4 else ""
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
     if isinstance(value, abc.Mapping):
         items = list(value.items())
         inner = ", ".join(f"{k!r}: {_describe(v)}" for k, v in items[:4])

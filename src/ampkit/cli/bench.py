@@ -24,8 +24,9 @@ within --max-loss-dev of fp32's and that is not slower than fp32 (autotune's rul
 Built-in models: mlp (10-100-10), cnn (small ResNet-style, batch-norm, 32x32), resnet18
 (torchvision, when installed), gpt (decoder-only transformer: d=128, 2 layers on a CPU;
 d=1024, 12 layers, seq 1024 on CUDA), or package.module:function returning
-(model, (inputs, targets)) or (model, (inputs, targets), loss_fn): inputs a tensor, a
-tuple (model(*inputs)) or a dict (model(**inputs)), targets a tensor or None.
+(model, (inputs, targets)) or (model, (inputs, targets), loss_fn): inputs a tensor or a
+list (model(inputs)), a tuple (model(*inputs)) or a dict (model(**inputs)), targets a
+tensor or None.
 
 Policies: 32-true/fp32, 16-mixed, bf16-mixed, 16-true, bf16-true, O0-O3 (half dtype:
 the device's autocast default, or a suffix: O2-bf16, O1-fp16), fp8 (fp8-tensorwise,
