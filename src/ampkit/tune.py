@@ -49,6 +49,15 @@ REF_NOT_FINITE = ("the fp32 reference, whose own loss is not finite: precision i
                   "cause and no candidate can be judged; check the model, data and learning rate")
 
 
+def reference_not_finite(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether fp32's own loss (``rows[0]``'s) was not finite, so that :func:`choose`
+    judged nothing: the one test autotune, ``ampkit tune`` and ``ampkit bench`` share."""
+    if not rows:
+        return False
+    dev = rows[0]["max_loss_dev"]
+    return dev is None or not math.isfinite(dev)
+
+
 def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, float]:
     """The recommendation rule: the fastest accepted candidate, never slower than fp32.
 
@@ -57,8 +66,7 @@ def choose(rows: Sequence[dict[str, Any]], max_loss_dev: float) -> tuple[str, fl
     """
     reference = rows[0]
     best, best_ms = reference["policy"], reference["step_ms"]
-    ref_dev = reference["max_loss_dev"]  # 0.0 against itself, None when not finite
-    if ref_dev is None or not math.isfinite(ref_dev):
+    if reference_not_finite(rows):  # its max_loss_dev: 0.0 against itself, None when not finite
         for row in rows:  # nothing to hold a candidate's loss against
             row["accepted"], row["reason"] = ((True, REF_NOT_FINITE) if row is reference else
                                               (False, "not judged: fp32's own loss is not finite"))
@@ -154,7 +162,7 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     details = [{key: value for key, value in row.items() if key == "policy" or key not in ROW_KEYS}
                for row in measured]
     chosen, speedup = choose(rows, max_loss_dev)
-    if rows[0]["reason"] == REF_NOT_FINITE:  # say so; 32-true did not win anything
+    if reference_not_finite(rows):  # say so; 32-true did not win anything
         warnings.warn(f"autotune: {REF_NOT_FINITE}", UserWarning, stacklevel=2)
     chosen_run = next(run for run in runs if run.name == chosen)
     return TuneResult(chosen, rows, speedup, fp8_modules=list(chosen_run.fp8_modules),

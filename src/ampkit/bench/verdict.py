@@ -14,7 +14,7 @@ from typing import IO, Any, Optional, Sequence
 
 from .._measure import STABLE_HALF_WIDTH, half_width
 from .report import console as rich_console, have_rich, render_table
-from ..tune import REF_NOT_FINITE
+from ..tune import REF_NOT_FINITE, reference_not_finite
 from .compare import recommend
 
 BENCH_HEADERS = ("policy", "ms/step", "speedup (95% CI)", "MiB", "mem ×", "Δloss", "notes")
@@ -351,7 +351,7 @@ def recommendation_sentence(rec: dict[str, Any], results: Sequence[dict[str, Any
     rows = rec["rows"]
     ref, chosen = rows[0], next(r for r in rows if r["policy"] == rec["recommended"])
     tolerance = f"{rec['max_loss_dev'] * 100:g}%"
-    if chosen is ref and ref["reason"] == REF_NOT_FINITE:
+    if chosen is ref and reference_not_finite(rows):
         return f"Recommendation: none judged ({ref['policy']} by default): {REF_NOT_FINITE}."
     if chosen is ref:
         others = ", ".join(_rejected(r) for r in rows[1:])

@@ -144,10 +144,10 @@ def tune_rows(result: Any) -> list[list[str]]:
 
 def choice_sentence(result: Any, max_loss_dev: float) -> str:
     """What ``ampkit tune`` ends with: the policy chosen and why."""
-    from ..tune import REF_NOT_FINITE
+    from ..tune import REF_NOT_FINITE, reference_not_finite
 
     tolerance = f"{max_loss_dev * 100:g}%"
-    if result.rows and result.rows[0]["reason"] == REF_NOT_FINITE:
+    if reference_not_finite(result.rows):
         return (f"Chosen: none judged ({result.policy} by default): {REF_NOT_FINITE}.")
     if result.policy == result.rows[0]["policy"]:
         return (f"Chosen: {result.policy}: no candidate was faster than fp32 within the "
