@@ -219,7 +219,8 @@ def test_a_save_before_the_first_step_that_was_not_skipped_resumes_exactly(one_r
 
 def test_a_checkpoint_saved_without_the_fresh_key_still_loads(one_rank, tmp_path, monkeypatch):
     """A checkpoint written before TrainState saved "fresh_optimizer" loads through
-    load_checkpoint (the key is read only where the checkpoint has it)."""
+    load_checkpoint (the key is read only where the checkpoint has it); plain dcp.load
+    refuses it (DCP's planner wants every key it is given), changing nothing."""
     import torch.distributed.checkpoint as dcp
     from ampkit.distributed import load_checkpoint
 
@@ -233,5 +234,8 @@ def test_a_checkpoint_saved_without_the_fresh_key_still_loads(one_rank, tmp_path
         dcp.save({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
     after = _steps(ddp, optimizer, 0, range(2, 4))
     ddp, optimizer = _fresh("O1")
+    with pytest.raises(BaseException, match="train.fresh_optimizer"):  # CheckpointException
+        dcp.load({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
+    assert not optimizer.state
     load_checkpoint({"train": TrainState(ddp, optimizer)}, checkpoint_id=str(tmp_path))
     assert _steps(ddp, optimizer, 0, range(2, 4)) == after

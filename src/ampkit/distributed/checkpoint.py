@@ -57,7 +57,9 @@ class TrainState:
     parameters and optimizer state (under O2 into copies), so when a shard file fails to
     read it raises with part of them possibly overwritten already (the scaler unchanged).
     Neither detects bytes flipped inside tensor data: DCP keeps no digest, so such a
-    checkpoint loads.
+    checkpoint loads. A checkpoint written before TrainState saved ``"fresh_optimizer"``
+    loads through :func:`load_checkpoint` only (plain ``dcp.load`` asks for that key and
+    raises, changing nothing).
 
     Example:
         >>> state = {"train": TrainState(model, optimizer, scaler), "step": step}  # doctest: +SKIP
