@@ -46,7 +46,10 @@ _AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32, torch.float64)
 # asked again at every construction, so that it warns every time, as for its own, and
 # answers anew once that changed (a GPU made visible, torch_xla installed).
 _RESOLVED: dict[tuple, tuple[bool, torch.dtype]] = {}
-_CHECKED_DEVICES: dict[str, str] = {}
+# Device type names checked once. "cpu" and "cuda" are there from the start: a region that
+# torch.compile traces first would otherwise fill the cache while tracing, and the graph,
+# guarded on the cache's contents, would be compiled again at its next call.
+_CHECKED_DEVICES: dict[str, str] = {"cpu": "cpu", "cuda": "cuda"}
 
 
 def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
@@ -81,7 +84,9 @@ def _device_type(device_type: Optional[str]) -> str:
                          f"{device_type!r}{hint}")
     checked = _CHECKED_DEVICES.get(device_type)
     if checked is None:
-        checked = _CHECKED_DEVICES[device_type] = check_device_type(device_type)
+        checked = check_device_type(device_type)
+        if not is_compiling():  # a write while tracing: a recompile at the next call
+            _CHECKED_DEVICES[device_type] = checked
     return checked
 
 
