@@ -12,7 +12,9 @@ The rules, most urgent first (at most :data:`PER_RULE` modules each):
 5. outputs in a half dtype that underflow (at least :data:`UNDERFLOW` of them): switch
    fp16 -> bf16 or keep it in fp32;
 6. gradients that underflow at the initial loss scale: raise ``init_scale`` / use
-   dynamic loss scaling / switch fp16 -> bf16;
+   dynamic loss scaling / switch fp16 -> bf16 (counting only elements that one float64
+   step shows to be signal, not fp32 rounding noise of a zero gradient, where it runs:
+   ``diagnose/exact.py``);
 7. the first module whose output SQNR is below :data:`LOW_SQNR_DB` (where accuracy is
    lost; the modules after it inherit the error): keep it in fp32 / exclude it from fp8;
 8. an fp8 policy under which no layer ran in fp8: say so (it ran as bf16-mixed); one
@@ -54,6 +56,9 @@ class Context:
     fp8_layers: frozenset[str] = frozenset()
     fp8: bool = False  # an fp8 policy: Linear layers in fp8 under bf16 autocast
     grad_amax: dict[str, float] = field(default_factory=dict)
+    # per module whose gradient underflow was checked against a float64 step (rule 6
+    # reads it): the underflow of its elements that are signal, not fp32 rounding noise
+    grad_signal_underflow: dict[str, float] = field(default_factory=dict)
     fp8_share: float = 0.0  # of the matmul and convolution FLOPs, those in an fp8 dtype
 
 
@@ -189,7 +194,8 @@ def _underflow(modules: list[ModuleStats], ctx: Context, named: set[str]) -> lis
 
 def _grad_underflow(modules: list[ModuleStats], ctx: Context,
                     named: set[str]) -> list[tuple[str, str]]:
-    hits = [m for m in modules if (m.grad_underflow or 0) >= UNDERFLOW and m.name not in named]
+    hits = [m for m in modules if m.name not in named and
+            ctx.grad_signal_underflow.get(m.name, m.grad_underflow or 0) >= UNDERFLOW]
     if ctx.scaling == "none":
         action = ("use dynamic loss scaling (ampkit.GradScaler(), or a policy with "
                   "loss_scale=dynamic)")

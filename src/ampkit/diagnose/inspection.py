@@ -43,7 +43,8 @@ from ..fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
 from ..keep import kept_modules, kept_names
 from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
-from .advice import Context, advise
+from .advice import UNDERFLOW, Context, advise
+from .exact import signal_underflow
 from .flops import FlopCounter, fp8_share
 from ._regions import autocast_off
 from .._rng import replayable_rng
@@ -130,7 +131,16 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     with replayable_rng(setup.device) as rng, autocast_off(), compiled_code_eager():
         table, ref_loss = _reference_pass(model, _copied(inputs), _copied(target), setup)
         rng.rewind()
-        return _policy_pass(model, _copied(inputs), _copied(target), setup, table, ref_loss)
+
+        def exact(names: list[str], loss: float) -> Optional[dict[str, float]]:
+            rng.rewind()  # the same dropout masks again
+            return signal_underflow(
+                model, _copied(inputs), _copied(target),
+                lambda out, tgt: _loss(out, tgt, setup), loss,
+                {n: table[n].grad_refs for n in names}, setup.loss_scale,
+                {n: setup.cast_dtype(n) for n in names})
+        return _policy_pass(model, _copied(inputs), _copied(target), setup, table, ref_loss,
+                            exact)
 
 
 # --- validation ----------------------------------------------------------------------------
@@ -256,8 +266,10 @@ def _reference_pass(model: nn.Module, inputs: Any, target: Any,
 
 
 def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
-                 table: dict[str, _Module], ref_loss: Tensor) -> Report:
-    """The same step under the policy, compared as it runs; builds the report."""
+                 table: dict[str, _Module], ref_loss: Tensor,
+                 exact: Callable[[list[str], float], Optional[dict[str, float]]]) -> Report:
+    """The same step under the policy, compared as it runs; builds the report. ``exact``
+    checks the gradient underflow the advice would name against a float64 step."""
     work = _copy(model)
     fp8_layers = _apply(work, setup)
     handles = _install(work, table, setup, reference=False)
@@ -274,11 +286,17 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
     nonfinite = {name for _, name in watcher.nonfinite()}
     stats, grad_amax = _finish(table, nonfinite)
     losses = torch.stack([ref_loss.double(), loss.detach().double()]).tolist()  # host sync
+    flagged = [m.name for m in stats if (m.grad_underflow or 0) >= UNDERFLOW]
+    signal = (exact(flagged, losses[0]) if flagged and setup.policy.half_dtype is not None
+              else None) or {}
+    for entry in table.values():
+        entry.grad_refs = {}
     ctx = Context(setup.name, setup.policy.half_dtype, setup.loss_scale,
                   setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
                   ref_finite=math.isfinite(losses[0]),
                   kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
                   fp8=setup.fp8_recipe is not None, grad_amax=grad_amax,
+                  grad_signal_underflow=signal,
                   fp8_share=fp8_share(counter.flops))
     return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
@@ -361,41 +379,14 @@ def _compare_output(name: str, module: nn.Module, output: Any,
                 entry.compared_out = True
 
 
-def _own_grads(module: nn.Module) -> dict[str, Tensor]:
-    """The module's own parameter gradients; a sparse one (nn.Embedding(sparse=True))
-    coalesced: one value per index, as the optimizer applies it."""
-    return {name: p.grad.coalesce() if p.grad.is_sparse else p.grad
-            for name, p in module.named_parameters(recurse=False) if p.grad is not None}
-
-
-def _grad_values(grad: Tensor) -> Tensor:
-    """The values a report counts: a sparse gradient's stored values (its implicit zeros
-    are neither nonzero nor able to overflow), a dense gradient itself."""
-    return grad.values() if grad.is_sparse else grad
-
-
-def _comparable(grad: Tensor, ref: Tensor) -> Optional[tuple[Tensor, Tensor]]:
-    """(policy values, reference values) at the same positions, None when the shapes differ.
-
-    Sparse gradients are compared by their values when both store the same indices (the
-    same batch: the usual case; one host sync each); otherwise as dense tensors."""
-    if grad.shape != ref.shape:
-        return None
-    if not (grad.is_sparse or ref.is_sparse):
-        return grad, ref
-    if grad.is_sparse and ref.is_sparse and torch.equal(grad.indices(), ref.indices()):
-        return grad.values(), ref.values()
-    return grad.to_dense(), ref.to_dense()
-
-
 @torch.no_grad()
 def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
     for name, module in tracked(work):
         entry = table.get(name)
         if entry is None:
             continue
-        entry.grad_refs = _own_grads(module)
-        for grad in map(_grad_values, entry.grad_refs.values()):
+        entry.grad_refs = nx.own_grads(module)
+        for grad in map(nx.grad_values, entry.grad_refs.values()):
             # What the policy's backward holds: the gradient times the loss scale, cast.
             entry.grad_counts += nx.cast_counts(grad * setup.loss_scale, setup.cast_dtype(name))
             if grad.numel():
@@ -408,13 +399,12 @@ def _compare_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) ->
         entry = table.get(name)
         if entry is None:
             continue
-        grads = _own_grads(module)
+        grads = nx.own_grads(module)
         for pname, ref in entry.grad_refs.items():
-            pair = None if pname not in grads else _comparable(grads[pname], ref)
+            pair = None if pname not in grads else nx.comparable(grads[pname], ref)
             if pair is not None:
                 entry.grad_energy += nx.error_energy(pair[0].double() / setup.loss_scale, pair[1])
                 entry.compared_grad = True
-        entry.grad_refs = {}
 
 
 def _finish(table: dict[str, _Module],

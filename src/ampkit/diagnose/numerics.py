@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 # Slots of cast_counts' result.
 NONZERO, UNDERFLOW, FINITE, OVERFLOW = range(4)
@@ -98,3 +98,30 @@ def fraction(part: float, whole: float) -> float:
 def first_floating(values: list[Tensor]) -> Optional[torch.dtype]:
     """The dtype of the first floating tensor of ``values`` (None when there is none)."""
     return next((t.dtype for t in values if t.is_floating_point()), None)
+
+
+def own_grads(module: nn.Module) -> dict[str, Tensor]:
+    """The module's own parameter gradients; a sparse one (nn.Embedding(sparse=True))
+    coalesced: one value per index, as the optimizer applies it."""
+    return {name: p.grad.coalesce() if p.grad.is_sparse else p.grad
+            for name, p in module.named_parameters(recurse=False) if p.grad is not None}
+
+
+def grad_values(grad: Tensor) -> Tensor:
+    """The values a report counts: a sparse gradient's stored values (its implicit zeros
+    are neither nonzero nor able to overflow), a dense gradient itself."""
+    return grad.values() if grad.is_sparse else grad
+
+
+def comparable(grad: Tensor, ref: Tensor) -> Optional[tuple[Tensor, Tensor]]:
+    """(policy values, reference values) at the same positions, None when the shapes differ.
+
+    Sparse gradients are compared by their values when both store the same indices (the
+    same batch: the usual case; one host sync each); otherwise as dense tensors."""
+    if grad.shape != ref.shape:
+        return None
+    if not (grad.is_sparse or ref.is_sparse):
+        return grad, ref
+    if grad.is_sparse and ref.is_sparse and torch.equal(grad.indices(), ref.indices()):
+        return grad.values(), ref.values()
+    return grad.to_dense(), ref.to_dense()
