@@ -1034,3 +1034,28 @@ def test_found_inf_per_device_written_by_other_code_decides_as_in_torch():
         assert ours == theirs and torch.equal(w_ours, w_theirs), run.__name__
     assert self_unscaling(GradScaler)[0] == [8.0, 4.0, 4.0]
     assert replaced(GradScaler)[0] == 4.0
+
+
+def test_flags_written_as_torch_writes_them_are_read_clamped_and_without_ampkits_keys():
+    """A subclass building per-optimizer states with torch's own factory (no ampkit key)
+    raised KeyError 'found_inf_from'; a flag summed over ranks (2.0) reached a fused
+    optimizer, which skips only on exactly 1.0 and wrote NaN into the weights."""
+    from torch.amp import grad_scaler as torch_scaler
+
+    class TorchStates(GradScaler):
+        def unscale_(self, optimizer):
+            self._per_optimizer_states[id(optimizer)] = torch_scaler._refresh_per_optimizer_state()
+            super().unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["found_inf_per_device"] = {  # summed over two ranks that both overflowed
+                d: torch.full_like(v, 2.0) for d, v in state["found_inf_per_device"].items()}
+
+    model = nn.Linear(4, 2)
+    before = model.weight.detach().clone()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    scaler = TorchStates("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(model.weight, before) and scaler.get_scale() == 4.0

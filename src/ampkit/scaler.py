@@ -416,15 +416,26 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_from"] = per_device
 
     def _found_inf(self, state: dict[str, Any]) -> Tensor:
-        """An optimizer's found-inf flag: the one ampkit folded, unless other code has put
-        another ``found_inf_per_device`` in its state since, as torch's protocol lets it
-        (an optimizer taking ``grad_scaler=`` records its own; a subclass may write flags
-        reduced across ranks): then that dict's flags, folded as torch reads them."""
+        """An optimizer's found-inf flag, 0 or 1, as torch reads it from the state's
+        ``found_inf_per_device`` (the one place this is decided).
+
+        The flag ampkit folded when it recorded the dict, unless other code has since put
+        another dict there, as torch's protocol lets it (an optimizer taking
+        ``grad_scaler=`` records its own; a subclass may write flags reduced across
+        ranks), or changed the flag of another device in place: then that dict's flags,
+        folded again. Over ``process_group`` a new dict's flag is all-reduced (its max), as
+        every flag ampkit decides on is. Clamped to 1: a fused optimizer skips only on
+        exactly 1.0 (a flag summed over ranks, 2.0, would step on inf/NaN).
+        """
         per_device = state["found_inf_per_device"]
+        found_inf = state.get("found_inf")
         if state.get("found_inf_from") is per_device:
-            return state["found_inf"]
+            if len(per_device) > 1:  # another device's flag may have changed in place
+                fold_into(found_inf, per_device)
+            return found_inf
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         fold_into(found_inf, per_device)
+        found_inf.clamp_(max=1.0)
         self._sync_found_inf(found_inf)
         state["found_inf"], state["found_inf_from"] = found_inf, per_device
         return found_inf
@@ -510,8 +521,7 @@ class GradScaler(torch.amp.GradScaler):
         # The one host sync of a plain step: Python must know whether to call step().
         # Zeroing the grads instead would not be a skip (momentum, Adam moments and
         # step counts, weight decay still change the parameters).
-        found = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
-                 else self._found_inf(state)).item()
+        found = self._found_inf(state).item()
         state["found_host"] = found
         if not found:
             return optimizer.step(*args, **kwargs)
@@ -542,8 +552,7 @@ class GradScaler(torch.amp.GradScaler):
         else:
             grad_scale = self._scale if previous is None else self._scale * previous
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        found_inf = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
-                     else self._found_inf(state))
+        found_inf = self._found_inf(state)
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         fresh = fresh_momentum(optimizer)
         try:
@@ -596,8 +605,7 @@ class GradScaler(torch.amp.GradScaler):
             return None
         combined = None
         for state in states:  # a loop, not sum(<genexpr>): update runs every step
-            flag = (state["found_inf"] if state["found_inf_from"] is state["found_inf_per_device"]
-                    else self._found_inf(state))
+            flag = self._found_inf(state)
             combined = flag if combined is None else combined + flag
         return combined
 
