@@ -175,8 +175,9 @@ def test_bad_arguments(kwargs, exc, match):
 
 
 def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatch):
-    """Also compiled once: tracing filled the device-name cache, the graph was guarded on
-    its contents, and the next call compiled again (a RecompileError here)."""
+    """Also compiled once: tracing filled the device-name cache, or an eager region filled
+    the resolution cache, the graph was guarded on their contents, and the next call
+    compiled again (a RecompileError here)."""
     module = sys.modules["ampkit.autocast"]
     monkeypatch.setattr(module, "_RESOLVED", {})  # nothing resolved eagerly before
     monkeypatch.setattr(module, "_CHECKED_DEVICES", {})  # no device name checked before
@@ -190,7 +191,10 @@ def test_region_inside_a_compiled_function_even_when_first_seen_there(monkeypatc
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     compiled = torch.compile(f, backend="aot_eager")
     got = compiled(a, b)
-    assert torch.equal(compiled(a, b), got) and torch.equal(compiled(a, b), got)
+    assert torch.equal(compiled(a, b), got)
+    with autocast("cpu", dtype=torch.bfloat16):  # an eager region fills the caches
+        torch.mm(a, b)
+    assert torch.equal(compiled(a, b), got)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = torch.mm(a, b).relu()
     assert got.dtype is torch.bfloat16 and torch.equal(got, expected)

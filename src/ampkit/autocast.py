@@ -52,17 +52,20 @@ _RESOLVED: dict[tuple, tuple[bool, torch.dtype]] = {}
 _CHECKED_DEVICES: dict[str, str] = {"cpu": "cpu", "cuda": "cuda"}
 
 
-def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool) -> tuple[bool, torch.dtype]:
+def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool,
+                      compiling: Optional[bool] = None) -> tuple[bool, torch.dtype]:
+    if compiling if compiling is not None else is_compiling():
+        # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
+        # region itself when it traces the switches set in __enter__. The cache is not
+        # read either: the graph would be guarded on its contents, and compiled again
+        # once eager code filled it.
+        return enabled, dtype
     key: tuple = (device_type, dtype, enabled)
-    if device_type == "cuda" and dtype is torch.bfloat16 and enabled and not is_compiling():
+    if device_type == "cuda" and dtype is torch.bfloat16 and enabled:
         key = (device_type, dtype, enabled, _cuda_device())
     resolved = _RESOLVED.get(key)
     if resolved is not None and resolved[0] == enabled:
         return resolved
-    if is_compiling():
-        # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
-        # region itself when it traces the switches set in __enter__.
-        return resolved or (enabled, dtype)
     resolved = _RESOLVED[key] = resolve_autocast(device_type, dtype, enabled)  # warns if it disables
     return resolved
 
@@ -82,11 +85,11 @@ def _device_type(device_type: Optional[str]) -> str:
         hint = "; pass device.type" if isinstance(device_type, torch.device) else ""
         raise ValueError(f"device_type must be a str such as 'cpu' or 'cuda', got "
                          f"{device_type!r}{hint}")
+    if is_compiling():  # neither read nor written while tracing: no guard on the cache
+        return check_device_type(device_type)
     checked = _CHECKED_DEVICES.get(device_type)
     if checked is None:
-        checked = check_device_type(device_type)
-        if not is_compiling():  # a write while tracing: a recompile at the next call
-            _CHECKED_DEVICES[device_type] = checked
+        checked = _CHECKED_DEVICES[device_type] = check_device_type(device_type)
     return checked
 
 
@@ -113,20 +116,24 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         # Each check is called only when its quick test fails: a region is built per step.
         if enabled.__class__ is not bool or cache_enabled is not None:
             _check_flags(enabled, cache_enabled)
-        device = _CHECKED_DEVICES.get(device_type) if device_type.__class__ is str else None
+        # Traced by torch.compile, no cache is read (a guard on its contents would compile
+        # the graph again once eager code filled it).
+        compiling = is_compiling()
+        device = (_CHECKED_DEVICES.get(device_type)
+                  if device_type.__class__ is str and not compiling else None)
         if device is None:
             device = _device_type(device_type)
         if dtype.__class__ is not torch.dtype or dtype not in _AUTOCAST_DTYPES:
             dtype = self._resolve_dtype(dtype, device)
-        self._setup(device, dtype, enabled, cache_enabled)
+        self._setup(device, dtype, enabled, cache_enabled, compiling)
 
     def _setup(self, device_type: str, dtype: torch.dtype, enabled: bool = True,
-               cache_enabled: Optional[bool] = None) -> None:
+               cache_enabled: Optional[bool] = None, compiling: Optional[bool] = None) -> None:
         """The state of a region for checked arguments (torch decides whether it is on)."""
         self.device_type = device_type
         self.enabled = enabled
         self.cache_enabled = cache_enabled
-        self._enabled, self.fast_dtype = _torch_resolution(device_type, dtype, enabled)
+        self._enabled, self.fast_dtype = _torch_resolution(device_type, dtype, enabled, compiling)
         self._cache_enabled = (is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
         self._delegate: Optional[_TorchAutocast] = None
