@@ -248,6 +248,15 @@ def _ops_seen(fn) -> list:
     return ops
 
 
+def _seeded_random() -> None:
+    ops = _ops_seen(lambda: torch.nn.functional.dropout(torch.ones(8), 0.5, training=True)
+                    + torch.randn(8))
+    random = [op for op in ops if tc.seeded_random(op)]
+    _check("seeded_random", any("bernoulli" in str(op) or "dropout" in str(op) for op in random)
+           and any("randn" in str(op) or "normal" in str(op) for op in random)
+           and not tc.seeded_random(torch.ops.aten.mm.default), f"saw {random}")
+
+
 def _dispatch_mode() -> None:
     ops = _ops_seen(lambda: torch.mm(torch.ones(2, 2), torch.ones(2, 2)))
     _check("TorchDispatchMode", torch.ops.aten.mm.default in ops, f"saw {ops}, not aten.mm")
@@ -651,6 +660,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,
     "tensor_version": _tensor_version,
     "TorchDispatchMode": _dispatch_mode,
+    "seeded_random": _seeded_random,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "cpu_attention": _cpu_fused_ops, "cpu_attention_backward": _cpu_fused_ops,
     "rnn_layer": _cpu_fused_ops, "rnn_layer_backward": _cpu_fused_ops,

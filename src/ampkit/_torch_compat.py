@@ -50,7 +50,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
+    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "seeded_random", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
     "rnn_layer_backward",
     "unsafe_view", "uncompiled", "compiled_code_eager", "compile_tracing",
     # tensor subclasses (fp8 all-gather)
@@ -362,6 +362,12 @@ class EagerDispatchMode(TorchDispatchMode):  # type: ignore[misc,valid-type]
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+
+def seeded_random(func: Any) -> bool:
+    """Whether an aten op draws from a random-number generator (its ``nondeterministic_seeded``
+    tag: ``bernoulli_``, ``randn``, ``normal_``, ``native_dropout``...); torch 2.0 and later."""
+    return torch.Tag.nondeterministic_seeded in func.tags
 
 
 # The aten op ``.to(dtype)`` dispatches to (a dispatch mode sees fp8 widened to fp32); 1.10.

@@ -284,21 +284,26 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
             handle.remove()
     _compare_grads(work, table, setup)
     nonfinite = {name for _, name in watcher.nonfinite()}
+    first_nonfinite, loss = watcher.first_nonfinite, loss.detach()
+    del work, watcher  # the policy copy (its graph too) goes before a float64 one is made
     stats, grad_amax = _finish(table, nonfinite)
-    losses = torch.stack([ref_loss.double(), loss.detach().double()]).tolist()  # host sync
-    flagged = [m.name for m in stats if (m.grad_underflow or 0) >= UNDERFLOW]
-    signal = (exact(flagged, losses[0]) if flagged and setup.policy.half_dtype is not None
-              else None) or {}
+    losses = torch.stack([ref_loss.double(), loss.double()]).tolist()  # host sync
+    flagged = {m.name for m in stats if (m.grad_underflow or 0) >= UNDERFLOW}
+    for name, entry in table.items():
+        if name not in flagged:
+            entry.grad_refs = {}
+    signal = (exact(sorted(flagged), losses[0]) if flagged and setup.policy.half_dtype
+              is not None else None) or {}
     for entry in table.values():
         entry.grad_refs = {}
     ctx = Context(setup.name, setup.policy.half_dtype, setup.loss_scale,
-                  setup.policy.loss_scaling.kind, _bf16_name(setup), watcher.first_nonfinite,
+                  setup.policy.loss_scaling.kind, _bf16_name(setup), first_nonfinite,
                   ref_finite=math.isfinite(losses[0]),
                   kept=setup.kept, selection=setup.selection, fp8_layers=fp8_layers,
                   fp8=setup.fp8_recipe is not None, grad_amax=grad_amax,
                   grad_signal_underflow=signal,
                   fp8_share=fp8_share(counter.flops))
-    return Report(setup.name, stats, watcher.first_nonfinite, counter.flops, advise(stats, ctx),
+    return Report(setup.name, stats, first_nonfinite, counter.flops, advise(stats, ctx),
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
 
 
