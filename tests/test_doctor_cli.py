@@ -376,7 +376,8 @@ def test_a_user_functions_batch_may_be_a_dict_a_tuple_or_have_no_target(capsys, 
     line = usage_error(capsys, "--model", "batchmods:no_tensor", "--quiet")
     assert "returned (Linear, ({'x': int}, Tensor(5, 2)))" in line
     assert "a dict of them (model(**inputs))" in line and "None" in line
-    tuned = tmp_path / "tune.json"  # tune takes it too
-    assert main(["tune", "--model", "batchmods:as_dict", "--steps", "3", "--candidates",
-                 "32-true", "--json", str(tuned), "--quiet"]) == 0, capsys.readouterr().err
-    assert strict(tuned.read_text())["recommended"] == "32-true"
+    for name in ("as_dict", "as_list"):  # tune takes them too
+        tuned = tmp_path / f"tune_{name}.json"
+        assert main(["tune", "--model", f"batchmods:{name}", "--steps", "3", "--candidates",
+                     "32-true", "--json", str(tuned), "--quiet"]) == 0, capsys.readouterr().err
+        assert strict(tuned.read_text())["recommended"] == "32-true"

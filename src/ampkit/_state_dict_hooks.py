@@ -169,7 +169,7 @@ def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
         copies = _COPIES[id(state_dict)] = {}
     seen = copies.get(id(param))
     if (seen is not None and seen[0]() is param and seen[1].shape == value.shape
-            and torch.equal(seen[1].to(value.dtype), value)):  # only tied params get here
+            and torch.equal(seen[1].to(value.dtype), value)):  # a tie, or a destination reused
         return seen[1]
     copy = _fp32(value)
     copies[id(param)] = (weakref.ref(param), copy)
