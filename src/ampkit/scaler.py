@@ -414,6 +414,7 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = per_device
         state["found_inf"] = found_inf
         state["found_inf_from"] = per_device
+        state["found_inf_devices"] = len(per_device)
 
     def _found_inf(self, state: dict[str, Any]) -> Tensor:
         """An optimizer's found-inf flag, 0 or 1, as torch reads it from the state's
@@ -428,16 +429,21 @@ class GradScaler(torch.amp.GradScaler):
         exactly 1.0 (a flag summed over ranks, 2.0, would step on inf/NaN).
         """
         per_device = state["found_inf_per_device"]
-        found_inf = state.get("found_inf")
-        if state.get("found_inf_from") is per_device:
-            if len(per_device) > 1:  # another device's flag may have changed in place
-                fold_into(found_inf, per_device)
-            return found_inf
+        try:  # subscripts, not calls: this runs in every step and update
+            if state["found_inf_from"] is per_device:
+                found_inf = state["found_inf"]
+                if state["found_inf_devices"] > 1:  # another device's flag may have changed
+                    fold_into(found_inf, per_device)
+                    found_inf.clamp_(max=1.0)
+                return found_inf
+        except KeyError:  # a state made by other code (torch's own factory)
+            pass
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         fold_into(found_inf, per_device)
         found_inf.clamp_(max=1.0)
         self._sync_found_inf(found_inf)
         state["found_inf"], state["found_inf_from"] = found_inf, per_device
+        state["found_inf_devices"] = len(per_device)
         return found_inf
 
     def _grads_to_unscale(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
