@@ -1086,3 +1086,38 @@ def test_a_float64_step_that_draws_other_random_numbers_does_not_hide_real_under
                      loss_fn=lambda out, _: out.float().mean() * 1e-4)
     assert stats(report, "fc").grad_underflow >= 0.01
     assert any("'fc' has" in s and "raise init_scale" in s for s in report.advice), report.advice
+
+
+def test_a_loss_that_is_rounding_noise_still_lets_the_float64_step_judge():
+    """The mean of a batch-norm output is zero in exact arithmetic: fp32 gives 1e-10,
+    float64 1e-17, so a 0.1% loss check refused the float64 step and every gradient of
+    the model (all noise) got "raise init_scale"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32)).train()
+    report = inspect(model, torch.randn(16, 32), policy="16-mixed")
+    assert stats(report, "0").grad_underflow > 0.01
+    assert not any("init_scale" in sentence for sentence in report.advice), report.advice
+
+
+class _SparseAndDense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Parameter(torch.randn(50, 8))
+        self.pos = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.tok, sparse=True) + self.pos * 1e4
+
+
+def test_a_sparse_gradient_beside_a_dense_one_counts_in_the_advice():
+    """The float64 check skipped the sparse gradient and judged the module by its dense
+    one alone: real underflow (4.3% in the column) was advised with sparse=False only.
+    The sentence gives the share the rule decided on."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (6, 4))
+    report = inspect(nn.Sequential(_SparseAndDense()), ids, policy="16-mixed",
+                     loss_fn=lambda out, _: out.float().mean() * 1e-11)
+    share = stats(report, "0").grad_underflow
+    assert share >= 0.01
+    hit = [s for s in report.advice if s.startswith("'0' has")]
+    assert hit and f"{share:.2%} of its nonzero gradients (fp32 rounding noise" in hit[0], hit

@@ -203,9 +203,18 @@ def _grad_underflow(modules: list[ModuleStats], ctx: Context,
         action = f"raise init_scale above {ctx.loss_scale:g} (GradScaler(init_scale=...))"
     if ctx.bf16_policy is not None:
         action += f", or switch fp16 -> bf16 (policy {ctx.bf16_policy!r})"
-    return [(m.name, f"{m.name or '<model>'!r} has {m.grad_underflow:.2%} of its nonzero gradients flush to "
+    return [(m.name, f"{m.name or '<model>'!r} has {_flushed(m, ctx)} flush to "
                      f"zero in {dtype_name(ctx.half_dtype)} at the initial loss scale "
                      f"{ctx.loss_scale:g}: {action}.") for m in hits[:PER_RULE]]
+
+
+def _flushed(m: ModuleStats, ctx: Context) -> str:
+    """The share the rule decided on: of the signal (rounding noise left out), once a
+    float64 step has told them apart, else of all nonzero gradient elements."""
+    signal = ctx.grad_signal_underflow.get(m.name)
+    if signal is None:
+        return f"{m.grad_underflow:.2%} of its nonzero gradients"
+    return f"{signal:.2%} of its nonzero gradients (fp32 rounding noise not counted)"
 
 
 def _low_sqnr(modules: list[ModuleStats], ctx: Context, named: set[str]) -> list[tuple[str, str]]:

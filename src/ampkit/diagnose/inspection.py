@@ -44,7 +44,7 @@ from ..keep import kept_modules, kept_names
 from ..policy import OPT_LEVELS, Policy, get_policy
 from . import numerics as nx
 from .advice import UNDERFLOW, Context, advise
-from .exact import signal_underflow
+from .exact import fingerprint, signal_underflow
 from .flops import FlopCounter, fp8_share
 from ._regions import autocast_off
 from .._rng import replayable_rng
@@ -129,14 +129,15 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
     # outside the caller's autocast regions, compiled code eagerly (it would skip the hooks
     # that record each module, and compile the FLOP counter).
     with replayable_rng(setup.device) as rng, autocast_off(), compiled_code_eager():
-        table, ref_loss = _reference_pass(model, _copied(inputs), _copied(target), setup)
+        table, ref_loss, ref_print = _reference_pass(model, _copied(inputs), _copied(target),
+                                                     setup)
         rng.rewind()
 
-        def exact(names: list[str], loss: float) -> Optional[dict[str, float]]:
+        def exact(names: list[str]) -> Optional[dict[str, float]]:
             rng.rewind()  # the same dropout masks again
             return signal_underflow(
                 model, _copied(inputs), _copied(target),
-                lambda out, tgt: _loss(out, tgt, setup), loss,
+                lambda out, tgt: _loss(out, tgt, setup), ref_print,
                 {n: table[n].grad_refs for n in names}, setup.loss_scale,
                 {n: setup.cast_dtype(n) for n in names})
         return _policy_pass(model, _copied(inputs), _copied(target), setup, table, ref_loss,
@@ -249,25 +250,29 @@ def _backward(loss: Tensor, scale: float = 1.0) -> None:
 
 
 def _reference_pass(model: nn.Module, inputs: Any, target: Any,
-                    setup: _Setup) -> tuple[dict[str, _Module], Tensor]:
-    """fp32 forward+backward on a copy; keeps reference outputs and gradients only."""
+                    setup: _Setup) -> tuple[dict[str, _Module], Tensor, Tensor]:
+    """fp32 forward+backward on a copy; keeps reference outputs and gradients only, and
+    the output's fingerprint (for the float64 step, ``exact.signal_underflow``)."""
     work = _copy(model)
     table: dict[str, _Module] = {}
     handles = _install(work, table, setup, reference=True)
     try:
         with torch.enable_grad():
-            loss = _loss(call_model(work, inputs), target, setup)
+            output = call_model(work, inputs)
+            ref_print = fingerprint(output)
+            loss = _loss(output, target, setup)
+            del output
             _backward(loss)
     finally:
         for handle in handles:
             handle.remove()
     _keep_reference_grads(work, table, setup)
-    return table, loss.detach()
+    return table, loss.detach(), ref_print
 
 
 def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                  table: dict[str, _Module], ref_loss: Tensor,
-                 exact: Callable[[list[str], float], Optional[dict[str, float]]]) -> Report:
+                 exact: Callable[[list[str]], Optional[dict[str, float]]]) -> Report:
     """The same step under the policy, compared as it runs; builds the report. ``exact``
     checks the gradient underflow the advice would name against a float64 step."""
     work = _copy(model)
@@ -292,7 +297,7 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
     for name, entry in table.items():
         if name not in flagged:
             entry.grad_refs = {}
-    signal = (exact(sorted(flagged), losses[0]) if flagged and setup.policy.half_dtype
+    signal = (exact(sorted(flagged)) if flagged and setup.policy.half_dtype
               is not None else None) or {}
     for entry in table.values():
         entry.grad_refs = {}
