@@ -28,6 +28,7 @@ from . import numerics as nx
 # fraction of itself (fp32 rounding gives about 1e-7; rounding noise differs by ~100%).
 SIGNAL_TOLERANCE = 0.5
 _ATEN = torch.ops.aten
+_PRINTED = 1 << 16  # elements of each output tensor a fingerprint reads, at most
 
 
 class _SameRandomness(EagerDispatchMode):
@@ -70,24 +71,29 @@ class _SameRandomness(EagerDispatchMode):
 
 
 def fingerprint(output: Any) -> Tensor:
-    """[projection, norm] of a model's output: its floating tensors dotted with fixed
-    pseudo-random weights (a generator of its own: the caller's random numbers are not
-    touched), and the product of the two vectors' norms. Two runs of the same step agree
-    on the projection to within a small fraction of that norm, even where a loss (a mean
-    after a normalisation, say) is rounding noise that two runs cannot agree on. On the
-    output's device, float64; no host sync."""
+    """[projection, norm, count] of a model's output: its floating tensors dotted with
+    fixed pseudo-random weights (a generator of its own: the caller's random numbers are
+    not touched), the product of the two vectors' norms, and the number of elements read.
+    A projection's typical size is norm / sqrt(count); two runs of the same step agree on
+    it to a small fraction of that, even where a loss (a mean after a normalisation, say)
+    is rounding noise that two runs cannot agree on. On the
+    output's device, float64; no host sync. At most :data:`_PRINTED` evenly strided
+    elements of each tensor are read (a language model's logits are gigabytes; a step
+    that is not the reference's differs everywhere)."""
     parts = []
     for tensor in iter_tensors(output):
         if tensor.is_floating_point() and tensor.numel():
-            values = tensor.detach().double().reshape(-1)
+            values = tensor.detach().reshape(-1)
+            values = values[::-(-values.numel() // _PRINTED)].double()
             weights = torch.randn(values.numel(), dtype=torch.float64, device=values.device,
                                   generator=torch.Generator(values.device).manual_seed(0))
             parts.append(torch.stack([(values * weights).sum(),
-                                      values.square().sum() * weights.square().sum()]))
+                                      values.square().sum() * weights.square().sum(),
+                                      values.new_tensor(float(values.numel()))]))
     if not parts:
-        return torch.zeros(2, dtype=torch.float64)
+        return torch.zeros(3, dtype=torch.float64)
     total = torch.stack(parts).sum(0)
-    return torch.stack([total[0], total[1].sqrt()])
+    return torch.stack([total[0], total[1].sqrt(), total[2]])
 
 
 def signal_underflow(model: nn.Module, inputs: Any, target: Any,
@@ -102,7 +108,7 @@ def signal_underflow(model: nn.Module, inputs: Any, target: Any,
     float64 step cannot run (a model or an op without float64 support) or is not the
     step the reference took: it drew other random numbers, or its output's
     :func:`fingerprint` differs from the reference's ``ref_print`` by more than 1e-4 of
-    its norm. The caller then keeps its own counts. One host sync.
+    a projection's typical size. The caller then keeps its own counts. One host sync.
 
     ``loss(output, target)`` is the step's loss; the model is copied (``model`` is only
     read) and run in float64 on float64 copies of the floating tensors of the batch.
@@ -145,10 +151,10 @@ def signal_underflow(model: nn.Module, inputs: Any, target: Any,
             names.append(name)
             rows.append(row)
         # [compared, nonzero signal, flushed signal] per module, and the fingerprints: one sync
-        prints = torch.stack([mine[0].to(ref_print.device), ref_print[0], ref_print[1]])
-        table = torch.stack(rows + [prints]).tolist()
-    ours, theirs, norm = table[-1][0], table[-1][1], table[-1][2]
-    if not abs(ours - theirs) <= 1e-4 * norm:
+        prints = torch.stack([mine[0].to(ref_print.device), *ref_print])
+        table = torch.stack(rows + [prints[:3], prints[3:].expand(3)]).tolist()
+    ours, theirs, norm, count = *table[-2], table[-1][0]
+    if not abs(ours - theirs) <= 1e-4 * norm / max(count, 1.0) ** 0.5:
         return None  # not the reference's step
     return {name: (flushed / nonzero if nonzero > 0 else 0.0)
-            for name, (compared, nonzero, flushed) in zip(names, table[:-1]) if compared}
+            for name, (compared, nonzero, flushed) in zip(names, table[:-2]) if compared}
