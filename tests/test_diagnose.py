@@ -1121,3 +1121,20 @@ def test_a_sparse_gradient_beside_a_dense_one_counts_in_the_advice():
     assert share >= 0.01
     hit = [s for s in report.advice if s.startswith("'0' has")]
     assert hit and f"{share:.2%} of its nonzero gradients (fp32 rounding noise" in hit[0], hit
+
+
+class _OtherInFloat64(nn.Module):
+    """Computes something else in float64: the float64 step is not the reference's."""
+
+    def forward(self, x):
+        return x * 1.01 if x.dtype == torch.float64 else x
+
+
+def test_a_float64_step_whose_output_differs_is_not_used():
+    """Its output was held to a tolerance of 1e-4 of the norm product, which a 1%
+    different output passed: the step judged noise with another step's gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), _OtherInFloat64()).train()
+    report = inspect(model, torch.randn(16, 32), policy="16-mixed")
+    hit = [s for s in report.advice if s.startswith("'0' has")]
+    assert hit and "rounding noise not counted" not in hit[0], report.advice  # the column's
