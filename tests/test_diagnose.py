@@ -1134,7 +1134,7 @@ def test_a_float64_step_whose_output_differs_is_not_used():
     """Its output was held to a tolerance of 1e-4 of the norm product, which a 1%
     different output passed: the step judged noise with another step's gradients."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), _OtherInFloat64()).train()
-    report = inspect(model, torch.randn(16, 32), policy="16-mixed")
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), _OtherInFloat64()).train()
+    report = inspect(model, torch.randn(64, 256), policy="16-mixed")  # 16384 outputs
     hit = [s for s in report.advice if s.startswith("'0' has")]
     assert hit and "rounding noise not counted" not in hit[0], report.advice  # the column's
