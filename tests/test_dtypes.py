@@ -293,11 +293,9 @@ def test_a_mapping_whose_copy_shares_its_storage_is_left_as_it_was():
     assert type(cast) is dict and cast["x"].dtype is cast["y"].dtype is torch.float16
 
 
-class _Converting(collections.abc.MutableMapping):
-    """A mapping that stores lists and hands out a new tensor at each read."""
-
-    def __init__(self, **items):
-        self.store = dict(items)
+class _Converting(_SharedStore):
+    """A mapping that stores lists and hands out a new tensor at each read (its copy has
+    a storage of its own)."""
 
     def __copy__(self):
         return _Converting(**self.store)
@@ -305,18 +303,6 @@ class _Converting(collections.abc.MutableMapping):
     def __getitem__(self, key):
         value = self.store[key]
         return torch.tensor(value) if isinstance(value, list) else value
-
-    def __setitem__(self, key, value):
-        self.store[key] = value
-
-    def __delitem__(self, key):
-        del self.store[key]
-
-    def __iter__(self):
-        return iter(self.store)
-
-    def __len__(self):
-        return len(self.store)
 
 
 def test_a_mapping_handing_out_new_objects_is_not_written_to():
