@@ -556,3 +556,5 @@ def test_a_parameter_resized_after_initialize_is_named_at_the_step():
                                          r"master \(10, 4\).*resize before ampkit.initialize"):
         with ampkit.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
+    # Resized before the first step (the usual place): refused before any gradient moved.
+    assert model[0].weight.grad is not None and model[1].weight.grad is not None

@@ -205,7 +205,10 @@ class MasterWeights:
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
             masters = self.master_params  # every param has a grad: the pairs are all of them
-            if self._full_plan is None:
+            if self._full_plan is None:  # once: a parameter resized since initialize is
+                resized = self._resized()  # named before any gradient is freed
+                if resized is not None:
+                    raise ValueError(resized)
                 self._full_plan = _plan(params, masters)
             plan = self._full_plan
         else:
