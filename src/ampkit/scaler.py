@@ -115,8 +115,9 @@ def _optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # torch's two keys, and the per-device dict ampkit's own "found_inf" was folded from
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_inf_from": None}
+    # torch's two keys; ampkit's own ("found_inf", "found_inf_from", "found_inf_devices")
+    # are added when it records a flag (GradScaler._found_inf reads a state without them)
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 # Whether an optimizer's step takes the deprecated ``grad_scaler`` keyword, per function:

@@ -402,7 +402,7 @@ def _is_batch(inputs: Any) -> bool:
     """A tensor, or a tuple, list or mapping holding tensors (at least one: the batch's rows)."""
     if isinstance(inputs, Tensor):
         return True
-    if isinstance(inputs, (tuple, list)) or isinstance(inputs, abc.Mapping):
+    if isinstance(inputs, (tuple, list, abc.Mapping)):
         return next(iter_tensors(inputs), None) is not None
     return False
 
