@@ -552,9 +552,24 @@ def test_a_parameter_resized_after_initialize_is_named_at_the_step():
     with torch.no_grad():  # what resize_token_embeddings does, in small
         model[0].weight.data = torch.cat([model[0].weight, model[0].weight[:2]])
     loss = model(torch.tensor([[11, 3]])).float().sum()
-    with pytest.raises(ValueError, match=r"model parameter 0 has shape \(12, 4\), its fp32 "
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has shape \(12, 4\), its fp32 "
                                          r"master \(10, 4\).*resize before ampkit.initialize"):
         with ampkit.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
     # Resized before the first step (the usual place): refused before any gradient moved.
     assert model[0].weight.grad is not None and model[1].weight.grad is not None
+
+
+def test_a_resized_parameter_of_the_second_model_is_named_with_its_model():
+    import ampkit
+
+    models = [nn.Linear(4, 4), nn.Sequential(nn.Embedding(10, 4))]
+    optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    models, optimizer = ampkit.initialize(models, optimizer, opt_level="O2",
+                                          half_dtype=torch.bfloat16, verbosity=0)
+    with torch.no_grad():
+        models[1][0].weight.data = torch.cat([models[1][0].weight, models[1][0].weight[:2]])
+    loss = (models[0](models[1](torch.tensor([[11, 3]]))).float().sum())
+    with pytest.raises(ValueError, match=r"parameter 'models\[1\].0.weight' has shape \(12, 4\)"):
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()

@@ -301,10 +301,22 @@ def _apply(p: Plan) -> None:
                       keep_modules=keep.kept_modules(model),
                       casts=ForwardCasts() if root_kept else casts)
         keep.follow_conversion(model)  # the half dtype its kept modules' outputs go back to
+    names = _param_names(p.models)
     for optimizer in p.optimizers:
         masters = wrap(optimizer, master_weights=p.master_weights).masters
         if masters is not None:
             _seed_masters(masters, fp32_values)
+            masters.name_params(names)
+
+
+def _param_names(models: Sequence[nn.Module]) -> dict[int, str]:
+    """``id(param) -> name`` over the models (``models[i].`` before the name with several)."""
+    names: dict[int, str] = {}
+    for i, model in enumerate(models):
+        prefix = f"models[{i}]." if len(models) > 1 else ""
+        for name, param in model.named_parameters():
+            names.setdefault(id(param), prefix + name)
+    return names
 
 
 @torch.no_grad()

@@ -150,6 +150,9 @@ class MasterWeights:
         # grad's version). While the model's grads are still exactly these, unchanged, the
         # step must not move them again.
         self._mirror: Optional[list[tuple[Tensor, Tensor, int]]] = None
+        # Model params' names (by id; model_params holds them, so no id is reused), for
+        # errors only: a param added later (add_param_group) is named by its index.
+        self._names: dict[int, str] = {}
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -172,6 +175,10 @@ class MasterWeights:
         _register(param, master, self)
         self._copy_groups = self._full_plan = None
         return master
+
+    def name_params(self, names: dict[int, str]) -> None:
+        """Record the model's names of the params (``id(param) -> name``), for errors."""
+        self._names = {id(p): names[id(p)] for p in self.model_params if id(p) in names}
 
     def owns(self, param: Tensor) -> bool:
         """Whether ``param`` is one of this optimizer's half model parameters."""
@@ -247,7 +254,9 @@ class MasterWeights:
         """Why a model parameter no longer fits its master (None when all fit)."""
         for i, (param, master) in enumerate(zip(self.model_params, self.master_params)):
             if param.shape != master.shape:
-                return (f"model parameter {i} has shape {tuple(param.shape)}, its fp32 master "
+                name = self._names.get(id(param))
+                what = f"model parameter {i}" if name is None else f"parameter {name!r}"
+                return (f"{what} has shape {tuple(param.shape)}, its fp32 master "
                         f"{tuple(master.shape)}: it was resized or replaced after "
                         "ampkit.initialize (transformers' resize_token_embeddings, say), so its "
                         "gradients cannot reach the master; valid: resize before "
