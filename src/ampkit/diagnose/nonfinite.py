@@ -3,10 +3,11 @@
 Cost model: per module output, input gradient and parameter gradient, one reduction
 kernel (``aminmax``: both are finite exactly when every element is; of a sparse gradient,
 over the values it stores) is launched and its two 0-dim results kept on the device; every
-512 of them are folded into one bool vector (one stack, one isfinite; outside any autocast
-region the caller opened, so whatever their dtypes). Nothing is read back to the host
-while the block runs; at exit one ``.item()`` reads the index of the first non-finite
-event: the one host sync.
+512 of them are folded, in a few kernels (outside any autocast region the caller opened,
+so whatever their dtypes), into one int64 per module and phase: the position of its first
+non-finite value. What a watch keeps does not grow with the block's length. Nothing is
+read back to the host while the block runs; at exit one ``.item()`` reads which module
+and phase came first: the one host sync.
 
 Attribution: forward events are module outputs, in the order they were produced (a
 child's before its parent's). Backward events are the gradients a module produces: those
@@ -34,7 +35,8 @@ from .numerics import dense_values
 
 FORWARD, BACKWARD = "forward", "backward"
 _PHASES = (FORWARD, BACKWARD)
-_FOLD = 512  # 0-dim flags kept before folding them into one vector (bounds the list)
+_FOLD = 512  # 0-dim values kept before they are folded in (bounds the list)
+_NONE = torch.iinfo(torch.int64).max  # a code's position while it has seen nothing non-finite
 _CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NOT_EXITED = "the with block has not exited yet"
 
@@ -57,14 +59,22 @@ class NonFiniteError(RuntimeError):
 
 
 class _Flags:
-    """Finiteness of each recorded event, kept on the device; the host keeps event codes."""
+    """Where each event code first saw a non-finite value, kept on the device.
 
-    def __init__(self) -> None:
+    Recorded values wait (with their codes, on the host) until ``_FOLD`` of them are folded
+    into ``first``: per code (module index * 2 + phase index), the position of its first
+    non-finite value among everything recorded, ``_NONE`` while it has none. What a watch
+    keeps is so one integer per code, however long the block runs.
+    """
+
+    def __init__(self, codes: int) -> None:
         self._pending: list[Tensor] = []
-        self._folded: list[Tensor] = []
-        self.codes = array("i")  # module index * 2 + phase index, one per pending value
+        self._codes = array("i")  # one per pending value
+        self._size = codes
+        self._seen = 0  # values folded so far: the position of the next one
+        self._first: Optional[Tensor] = None
         # Hooks fire in whichever thread runs the model (DataParallel's replicas share
-        # them): the flags and their codes change together, and fold, under this lock.
+        # them): the values and their codes change together, and fold, under this lock.
         self._lock = threading.Lock()
 
     def record(self, code: int, tensor: Tensor) -> None:
@@ -81,28 +91,50 @@ class _Flags:
         low, high = torch.aminmax(tensor)
         with self._lock:
             self._pending += (low, high)
-            self.codes.extend((code, code))
+            self._codes.extend((code, code))
             if len(self._pending) >= _FOLD:
                 self._fold()
 
     def _fold(self) -> None:
-        """Under the lock: the pending flags into one folded tensor."""
-        if self._pending:
-            # Outside any autocast region: under the caller's bf16 region, stack (an op
-            # autocast promotes) refuses an fp16 flag; outside, mixed dtypes promote (a
-            # widening cast keeps inf and NaN). A few switches per fold, no sync.
-            with autocast_off():
-                self._folded.append(torch.stack(self._pending).isfinite())
-            self._pending.clear()
+        """Under the lock: the pending values into ``first``, a few kernels, no sync."""
+        if not self._pending:
+            return
+        count = len(self._pending)
+        # Outside any autocast region: under the caller's bf16 region, stack (an op
+        # autocast promotes) refuses an fp16 value; outside, mixed dtypes promote (a
+        # widening cast keeps inf and NaN).
+        with autocast_off():
+            finite = torch.stack(self._pending).isfinite()
+            device = finite.device
+            codes = _on_device(torch.frombuffer(self._codes, dtype=torch.int32), device)
+            at = torch.arange(self._seen, self._seen + count, device=device)
+            if self._first is None:
+                self._first = torch.full((self._size,), _NONE, dtype=torch.int64, device=device)
+            self._first.scatter_reduce_(0, codes, at.masked_fill(finite, _NONE), reduce="amin")
+        self._seen += count
+        self._pending.clear()
+        self._codes = array("i")
 
-    def finite(self) -> Optional[Tensor]:
-        """One bool per event (True: finite), still on the device; None without events."""
+    @property
+    def count(self) -> int:
+        """Values recorded so far (two per event)."""
+        return self._seen + len(self._pending)
+
+    def first(self) -> Optional[Tensor]:
+        """Per code, the position of its first non-finite value (``_NONE``: none), still on
+        the device; None when nothing was recorded."""
         with self._lock:
             self._fold()
-            if not self._folded:
-                return None
-            self._folded = [torch.cat(self._folded)]
-            return self._folded[0]
+            return self._first
+
+
+def _on_device(codes: Tensor, device: torch.device) -> Tensor:
+    """The host's int32 codes as int64 on ``device``, without a host sync: a CUDA copy
+    goes from pinned memory, asynchronously (a pageable one would wait for the stream)."""
+    codes = codes.long()  # a copy: the array they view is reused
+    if device.type == "cuda":
+        return codes.pin_memory().to(device, non_blocking=True)
+    return codes.to(device)
 
 
 class Watch:
@@ -119,7 +151,7 @@ class Watch:
         self._named = list(model.named_modules())
         self._params = _owned_params(self._named)
         self._handles: list[RemovableHandle] = []
-        self._flags = _Flags()
+        self._flags = _Flags(2 * len(self._named))
         self._cells: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._open = False
         self._first: Any = _NOT_EXITED
@@ -136,7 +168,8 @@ class Watch:
     def __enter__(self) -> "Watch":
         if self._open:
             raise RuntimeError("this watch is already open; valid: one with block at a time")
-        self._flags, self._cells, self._first = _Flags(), WeakIdKeyDictionary(), _NOT_EXITED
+        self._flags = _Flags(2 * len(self._named))
+        self._cells, self._first = WeakIdKeyDictionary(), _NOT_EXITED
         # Compiled code would skip hooks added after it compiled: it runs eagerly here.
         self._eager = compiled_code_eager()
         self._eager.__enter__()
@@ -162,26 +195,26 @@ class Watch:
             raise NonFiniteError(phase, name, type(self._model.get_submodule(name)).__name__)
 
     def nonfinite(self) -> list[tuple[str, str]]:
-        """Every (phase, name) that saw a non-finite value, in event order, each once.
+        """Every (phase, name) that saw a non-finite value, in the order of their first
+        non-finite values, each once.
 
-        Reads the whole flag vector back: one more host sync (diagnostics, not per step).
+        Reads the per-code positions back: one more host sync (diagnostics, not per step).
         """
-        finite = self._flags.finite()
-        if finite is None:
+        first = self._flags.first()
+        if first is None:
             return []
-        flags = finite.tolist()  # host sync
-        found = [self._event(code) for code, ok in zip(self._flags.codes, flags) if not ok]
-        return list(dict.fromkeys(found))
+        positions = first.tolist()  # host sync
+        found = sorted((at, code) for code, at in enumerate(positions) if at != _NONE)
+        return [self._event(code) for _, code in found]
 
     def _read_first(self) -> Optional[tuple[str, str]]:
-        finite = self._flags.finite()
-        if finite is None:
+        first = self._flags.first()
+        if first is None:
             return None
-        bad = ~finite
-        # argmax of a 0/1 vector is its first 1; -1 when there is none.
-        first = torch.where(bad.any(), bad.byte().argmax(), -1)
-        index = int(first.item())  # the one host sync
-        return None if index < 0 else self._event(self._flags.codes[index])
+        # Positions are unique, so the smallest names one code; -1 when there is none.
+        code = torch.where(first.min() != _NONE, first.argmin(), -1)
+        index = int(code.item())  # the one host sync
+        return None if index < 0 else self._event(index)
 
     def _event(self, code: int) -> tuple[str, str]:
         return _PHASES[code % 2], self._named[code // 2][0]
