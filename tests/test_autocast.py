@@ -1,3 +1,4 @@
+import contextlib
 import sys
 import threading
 import warnings
@@ -159,7 +160,7 @@ def test_exported():
 @pytest.mark.parametrize("kwargs, exc, match", [
     ({"device_type": "gpu"}, ValueError, r"unknown device type 'gpu'; valid: 'cpu', 'cuda'"),
     ({"dtype": "fp8"}, ValueError, r"unknown autocast dtype 'fp8'; valid names: .*bf16"),
-    ({"dtype": torch.int8}, ValueError, r"autocast dtype torch.int8 is not allowed"),
+    ({"dtype": torch.int8}, ValueError, r"autocast dtype torch.int8 is not a floating dtype"),
     ({"enabled": "yes"}, TypeError, r"enabled must be a bool, got 'yes'"),
     ({"enabled": "False"}, TypeError, r"enabled must be a bool, got 'False'; valid: True, False"),
     ({"enabled": 0}, TypeError, r"enabled must be a bool, got 0; valid: True, False"),
@@ -286,8 +287,10 @@ def test_ampkit_never_looks_up_torch_autocast(monkeypatch, replacement):
     assert not torch.is_autocast_enabled("cpu")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float8_e4m3fn],
+                         ids=str)
 def test_a_dtype_the_device_lacks_warns_and_disables_as_torch_does(dtype):
+    """(An fp8 dtype raised ValueError, where torch warns and disables.)"""
     with pytest.warns(UserWarning, match="Disabling autocast") as expected:
         torch.autocast("cpu", dtype=dtype)
     for _ in range(2):  # every construction warns, as torch's does
@@ -298,6 +301,30 @@ def test_a_dtype_the_device_lacks_warns_and_disables_as_torch_does(dtype):
         assert not torch.is_autocast_enabled("cpu")
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float32
     assert (region.fast_dtype, region._enabled) == (dtype, False)
+
+
+def test_a_non_floating_dtype_is_refused_naming_what_is_valid():
+    with pytest.raises(ValueError, match=r"autocast dtype torch.int8 is not a floating dtype; "
+                                         r"valid: torch.float16 or torch.bfloat16.*fp8\) warns"):
+        autocast("cpu", dtype=torch.int8)
+
+
+@pytest.mark.parametrize("mode", [contextlib.nullcontext, lambda: torch.device("cpu")],
+                         ids=["plain", "function mode"])
+def test_an_instance_entered_again_while_open_restores_each_entry(mode):
+    """Under a TorchFunctionMode (`with torch.device(...)`) the outer exit raised
+    AttributeError and left autocast on; without one both exits left it on, as torch's do."""
+    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    region = autocast("cpu", dtype=torch.float16)
+    with mode():
+        with region:
+            with region:
+                assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float16
+            assert torch.is_autocast_enabled("cpu")
+        assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
+        with region:  # and used again afterwards
+            assert torch.get_autocast_dtype("cpu") is torch.float16
+    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
 
 
 def test_a_decorated_function_warns_once_at_decoration_not_per_call():

@@ -365,6 +365,57 @@ def test_out_and_in_place_write_into_the_callers_tensors():
     assert buf.tolist() == [0.0, 1.0, 3.0, 6.0] and y.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_out_is_resized_and_refused_with_grad_as_torch_does():
+    """The override copied into out= as it was: an empty out raised a size mismatch, and an
+    argument requiring grad was accepted with a detached result (torch refuses both ways)."""
+    ampkit.register_float_function(torch, "mm")
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    with autocast("cpu", dtype=torch.bfloat16):
+        empty = torch.empty(0)
+        assert torch.mm(a, b, out=empty) is empty and empty.shape == (3, 3)
+        small = torch.zeros(2)
+        with pytest.warns(UserWarning, match=r"An output with one or more elements was resized"):
+            torch.mm(a, b, out=small)
+        assert torch.equal(small, torch.mm(a, b).float())
+        with pytest.raises(RuntimeError, match=r"mm\(\): functions with out=\.\.\. arguments "
+                                               r"don't support automatic differentiation"):
+            torch.mm(a.requires_grad_(), b, out=torch.empty(3, 3))
+        with torch.no_grad():  # no autograd asked for: written as torch writes it
+            assert torch.mm(a, b, out=empty) is empty
+
+
+@pytest.mark.parametrize("register, dtype", [(ampkit.register_half_function, torch.float32),
+                                             (ampkit.register_float_function, torch.bfloat16)],
+                         ids=["half", "float"])
+@pytest.mark.parametrize("positional", [False, True])
+def test_inplace_true_writes_into_the_callers_tensor(register, dtype, positional):
+    """F.relu(x, inplace=True) was given a cast copy: x stayed as it was and a new tensor
+    came back, where torch.autocast changes x and returns it."""
+    register(F, "relu")
+    x = torch.randn(8, dtype=dtype)
+    expected = x.clamp(min=0)
+    with autocast("cpu", dtype=torch.bfloat16):
+        out = F.relu(x, True) if positional else F.relu(x, inplace=True)
+    assert out is x and torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("mse_loss", (torch.randn(4, 5), torch.randn(4, 5))),
+    ("l1_loss", (torch.randn(4, 5), torch.randn(4, 5))),
+    ("cross_entropy", (torch.randn(4, 5), torch.tensor([0, 1, 2, 3]))),
+])
+def test_a_half_torch_python_function_runs_in_half(name, args):
+    """torch's Python functions kept autocast on inside, as a user's block does: torch's
+    fp32 list cast mse_loss, l1_loss and cross_entropy back to fp32, silently."""
+    ampkit.register_half_function(F, name)
+    with autocast("cpu", dtype=torch.bfloat16):
+        out = getattr(F, name)(*args)
+    with torch.autocast("cpu", enabled=False):
+        expected = getattr(F, name)(args[0].bfloat16(), *[a.bfloat16() if a.is_floating_point()
+                                                          else a for a in args[1:]])
+    assert out.dtype is torch.bfloat16 and torch.equal(out, expected)
+
+
 def test_a_decorated_function_outside_any_region_does_not_read_its_arguments(monkeypatch):
     """It walked every argument looking for a tensor before asking whether any region was
     open: a list of 100k ints cost 30 ms a call."""

@@ -34,8 +34,13 @@ from ._torch_compat import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
-# fp32 and fp64 are accepted as torch accepts them: it warns and disables the region.
-_AUTOCAST_DTYPES = HALF_DTYPES + (torch.float32, torch.float64)
+# Every floating dtype is accepted as torch accepts it: one it has no autocast for (fp32,
+# fp64, the fp8 and fp4 dtypes) warns and disables the region.
+_AUTOCAST_DTYPES = HALF_DTYPES + tuple(dict.fromkeys(
+    d for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and d.is_floating_point and d not in HALF_DTYPES))
+_VALID_DTYPES = ("torch.float16 or torch.bfloat16, or a name: fp16, half, bf16, ...; another "
+                 "floating dtype (fp32, fp64, fp8) warns and disables the region, as in torch")
 
 
 # (device_type, dtype, enabled[, CUDA device]) -> (enabled, dtype) as torch.autocast
@@ -137,10 +142,15 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         self._cache_enabled = (is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
         self._delegate: Optional[_TorchAutocast] = None
+        self._prev: Optional[tuple] = None  # torch's state before entry, while entered
+        self._outer: Optional[list] = None  # the outer entries' saved state, when re-entered
 
     @staticmethod
     def _resolve_dtype(dtype: Optional[Union[torch.dtype, str]], device_type: str) -> torch.dtype:
         if dtype is not None:
+            if isinstance(dtype, torch.dtype) and dtype not in _AUTOCAST_DTYPES:
+                raise ValueError(f"autocast dtype {dtype} is not a floating dtype; valid: "
+                                 f"{_VALID_DTYPES}")
             return resolve_dtype(dtype, allowed=_AUTOCAST_DTYPES, what="autocast dtype")
         active = _state.get_active()
         if active is not None and active.device_type == device_type and active.half_dtype:
@@ -149,6 +159,11 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
 
     def __enter__(self) -> "autocast":
         device = self.device_type
+        if self._delegate is not None or self._prev is not None:  # re-entered while open
+            if self._outer is None:
+                self._outer = []
+            self._outer.append((self._prev, self._delegate))
+            self._prev = self._delegate = None
         if is_torch_function_mode_enabled():
             # Tracing (torch.export, make_fx): let torch.autocast record the region.
             self._delegate = _TorchAutocast(device, self.fast_dtype, self._enabled,
@@ -176,17 +191,22 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         return self._restore_torch(exc_type, exc, tb)
 
     def _restore_torch(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if self._delegate is not None:
-            delegate, self._delegate = self._delegate, None
-            return bool(delegate.__exit__(exc_type, exc, tb))
-        # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
-        if autocast_decrement_nesting() == 0:
-            clear_autocast_cache()
-        cache, enabled, dtype = self._prev
-        set_autocast_enabled(self.device_type, enabled)
-        set_autocast_dtype(self.device_type, dtype)
-        set_autocast_cache_enabled(cache)
-        return False
+        try:
+            if self._delegate is not None:
+                delegate, self._delegate = self._delegate, None
+                return bool(delegate.__exit__(exc_type, exc, tb))
+            # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
+            if autocast_decrement_nesting() == 0:
+                clear_autocast_cache()
+            cache, enabled, dtype = self._prev
+            self._prev = None
+            set_autocast_enabled(self.device_type, enabled)
+            set_autocast_dtype(self.device_type, dtype)
+            set_autocast_cache_enabled(cache)
+            return False
+        finally:
+            if self._outer:  # back to the state an outer entry of this instance saved
+                self._prev, self._delegate = self._outer.pop()
 
     @property
     def device(self) -> str:

@@ -28,6 +28,7 @@ import enum
 import functools
 import threading
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
@@ -211,11 +212,14 @@ def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> O
 
 def _casting_wrapper(fn: F, kind: CastKind) -> F:
     in_place = _is_in_place(fn)
-    # A half Python function (a block of the user's, as apex's decorators wrapped) keeps
+    inplace_at = _inplace_flag_position(fn)  # F.relu(x, inplace=True) writes into x too
+    # A half Python function of yours (a block, as apex's decorators wrapped) keeps
     # autocast on inside, so fp32 tensors it did not receive (its layers' weights) are
-    # cast per op; a torch op, or anything run in fp32 or promoted, runs with autocast off,
-    # so torch's own per-op cast cannot undo the override.
-    autocast_inside = kind is CastKind.HALF and isinstance(fn, types.FunctionType)
+    # cast per op; a torch op (torch's own Python functions too: F.mse_loss), or anything
+    # run in fp32 or promoted, runs with autocast off, so torch's own per-op cast cannot
+    # undo the override.
+    autocast_inside = kind is CastKind.HALF and not _is_torch_op(fn)
+    name = getattr(fn, "__name__", "function")
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -230,11 +234,15 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
         if kind is CastKind.HALF:  # a nested torch.autocast(dtype=...) decides, as for ops
             frame = frame._replace(dtype=get_autocast_dtype(frame.device_type))
         out = kwargs.pop("out", None)
+        if out is not None:
+            _check_out(name, out, args, kwargs)
         dtype = _target_dtype(kind, frame, args, kwargs)
         if dtype is not None:
-            # An in-place method writes into its own tensor, in that tensor's dtype.
-            rest = _cast(args[1:], dtype) if in_place and args else _cast(args, dtype)
-            args, kwargs = (args[:1] + rest) if in_place and args else rest, _cast(kwargs, dtype)
+            # An in-place op writes into its own tensor, in that tensor's dtype.
+            into = args and (in_place or (inplace_at is not None and _flag_set(
+                args, kwargs, inplace_at)))
+            rest = _cast(args[1:], dtype) if into else _cast(args, dtype)
+            args, kwargs = (args[:1] + rest) if into else rest, _cast(kwargs, dtype)
         if autocast_inside:
             result = fn(*args, **kwargs)
         else:
@@ -252,13 +260,66 @@ def _is_in_place(fn: Callable[..., Any]) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def _is_torch_op(fn: Callable[..., Any]) -> bool:
+    """A builtin, or one of torch's own Python functions (``F.mse_loss``, ``torch.cdist``)."""
+    if not isinstance(fn, types.FunctionType):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+def _inplace_flag_position(fn: Callable[..., Any]) -> Optional[int]:
+    """Where ``fn`` takes an ``inplace`` flag (``F.relu(input, inplace=False)``): its
+    positional index, -1 when keyword-only; None without one or without a signature."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a text signature
+        return None
+    for index, parameter in enumerate(parameters):
+        if parameter.name == "inplace":
+            positional = parameter.kind in (parameter.POSITIONAL_ONLY,
+                                            parameter.POSITIONAL_OR_KEYWORD)
+            return index if positional else -1
+    return None
+
+
+def _flag_set(args: tuple, kwargs: dict, position: int) -> bool:
+    if "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    return 0 <= position < len(args) and bool(args[position])
+
+
+def _check_out(name: str, out: Any, args: tuple, kwargs: dict) -> None:
+    """torch's refusal of ``out=`` where autograd would need the result, before any work."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors((args, kwargs))):
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic "
+                           "differentiation, but one of the arguments requires grad.")
+
+
 def _write_out(out: Any, result: Any) -> Any:
-    """What ``out=`` promised: the result written into the caller's tensor(s)."""
+    """What ``out=`` promised: the result written into the caller's tensor(s), resized as
+    torch resizes an ``out=`` tensor (silently when it is empty, else with its warning)."""
     with torch.no_grad():
         if isinstance(out, torch.Tensor):
-            return out.copy_(result)
+            return _resized(out, result).copy_(result)
         for target, value in zip(out, result):
-            target.copy_(value)
+            _resized(target, value).copy_(value)
+    return out
+
+
+def _resized(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    if out.shape != result.shape:
+        if out.numel() != 0:
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(out.shape)}, which does not match the required output shape "
+                f"{list(result.shape)}. This behavior is deprecated, and in a future PyTorch "
+                "release outputs will not be resized unless they have zero elements. You can "
+                "explicitly reuse an out tensor t by resizing it, inplace, to zero elements "
+                "with t.resize_(0).", UserWarning, stacklevel=4)
+        out.resize_(result.shape)
     return out
 
 
