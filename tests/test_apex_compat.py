@@ -222,8 +222,13 @@ def test_bf16_o3_warns_and_names_the_fp16_choice():
 
 
 # --- the fp16 floor --------------------------------------------------------------------------
-def test_fp16_o2_scale_floors_at_one_and_warns_on_a_floored_streak():
-    model, opt = _init("O2", F16)
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_fp16_o2_scale_floors_at_one_and_warns_on_a_floored_streak(fused):
+    """(With a fused optimizer the warning never came.)"""
+    model = _model()
+    opt = (torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=F16, verbosity=0)
     with pytest.warns(RuntimeWarning, match=r"steps in a row overflowed and the loss scale is at "
                                             r"its floor \(1\)"):
         for _ in range(20):

@@ -573,3 +573,48 @@ def test_a_resized_parameter_of_the_second_model_is_named_with_its_model():
     with pytest.raises(ValueError, match=r"parameter 'models\[1\].0.weight' has shape \(12, 4\)"):
         with ampkit.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, use_b):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("loop", ["scale_loss", "GradScaler"])
+def test_zero_grad_keeping_zeros_steps_a_parameter_the_backward_did_not_reach(loop):
+    """O2 freed the half gradients in the move, so zero_grad(set_to_none=False) found none
+    to zero: a parameter the next backward skipped had no gradient and did not step, where
+    torch (and apex) step it with a zero one (momentum moved it)."""
+    import ampkit
+
+    model = _TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level="O2",
+                                         half_dtype=torch.bfloat16, verbosity=0)
+    scaler = ampkit.GradScaler("cpu")
+    torch.manual_seed(1)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=False)
+        if step == 2:
+            assert torch.equal(model.b.weight.grad, torch.zeros_like(model.b.weight))
+            master = master_of(model.b.weight)
+            buffer = optimizer.state[master]["momentum_buffer"]
+            expected = master.detach().add(buffer.mul(0.9), alpha=-0.1)
+        loss = model(torch.randn(5, 8), use_b=step < 2).float().pow(2).mean()
+        if loop == "scale_loss":
+            with ampkit.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert torch.equal(master, expected)
+    assert torch.equal(model.b.weight, expected.bfloat16())
+    optimizer.zero_grad()  # the default frees them, as before
+    assert model.b.weight.grad is None and model.a.weight.grad is None

@@ -153,6 +153,11 @@ class MasterWeights:
         # Model params' names (by id; model_params holds them, so no id is reused), for
         # errors only: a param added later (add_param_group) is named by its index.
         self._names: dict[int, str] = {}
+        # Which model params have had a (dense) gradient moved: zero_grad(set_to_none=False)
+        # gives them zero gradients again, as torch keeps a zeroed .grad once it exists
+        # (the move freed theirs). All of them once a move found every param with a grad.
+        self._all_graded = False
+        self._graded: set[int] = set()
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -218,8 +223,11 @@ class MasterWeights:
                     raise ValueError(resized)
                 self._full_plan = _plan(params, masters)
             plan = self._full_plan
+            self._all_graded = True
         else:
             masters = [master for _, master in pending]
+            if not self._all_graded:
+                self._graded.update(id(p) for p in params if not p.grad.is_sparse)
         try:  # free when nothing raises (one frame, no call)
             new = _to_fp32(params, masters, plan, free=not keep)
             if unscale is not None:
@@ -298,6 +306,14 @@ class MasterWeights:
                    for p, grad, version in mirror)
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad`` on the model's half params.
+
+        ``set_to_none=False`` leaves every param that has had a gradient with a zero one,
+        as torch does: a param the next backward does not reach still steps, with a zero
+        gradient (momentum, Adam's moments and weight decay still move it). The move freed
+        those gradients, so they are made again here (a sparse one is left None: a zero
+        sparse gradient changes nothing in torch's sparse-capable optimizers).
+        """
         self._mirror = None
         for param in self.model_params:
             if param.grad is not None:
@@ -305,6 +321,9 @@ class MasterWeights:
                     param.grad = None
                 else:
                     param.grad.zero_()
+            elif not set_to_none and not self.released and (
+                    self._all_graded or id(param) in self._graded):
+                param.grad = torch.zeros_like(param)
 
     def remove(self) -> None:
         """Unlink from the model: no more gradient moves or copies into it."""

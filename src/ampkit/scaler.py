@@ -39,6 +39,7 @@ from ._scaler_args import (F32_MAX, F32_TINY, _ArgumentError, _StateError, _back
 # OptState: torch's own enum objects, so code that inspects ``_per_optimizer_states``
 # stages keeps working.
 from ._fused import clear_if_skipped, fresh_momentum
+from ._host_copy import HostCopy
 from ._torch_compat import STEP_SUPPORTS_AMP_SCALING, OptState, amp_update_scale_, is_compiling
 from ._unscale import fold_into, unscale_grads_, unscale_per_device
 from .optim import master_weights_of
@@ -91,15 +92,50 @@ def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
     if is_compiling():
         return
     scaler._host_overflow_streak = scaler._host_overflow_streak + 1 if overflow else 0
+    if overflow is None:
+        _check_floor_on_device(scaler)
+        return
     if scaler._host_overflow_streak % _FLOOR_CHECK_STREAK or not scaler._host_overflow_streak:
         return
+    _warn_at_floor(scaler, scaler._host_overflow_streak, scaler.get_scale())
+
+
+def _check_floor_on_device(scaler: "GradScaler") -> None:
+    """The same warning where the overflows are known on the device only (fused steps),
+    without a host sync: on every 16th such update the run of overflows and the scale are
+    copied to the host, and read once there (at once on a CPU; on a GPU at the next check).
+    """
+    scaler._device_updates += 1
+    if scaler._device_updates % _FLOOR_CHECK_STREAK:
+        return
+    note = scaler._floor_note
+    if note is not None:
+        if not note.arrived():
+            return  # the next check reads it
+        _read_floor_note(scaler, note)
+    scaler._fold_counters()
+    note = HostCopy(torch.stack([scaler._consecutive_skips.float(), scaler._scale.float()]))
+    if note.arrived():
+        _read_floor_note(scaler, note)
+    else:
+        scaler._floor_note = note
+
+
+def _read_floor_note(scaler: "GradScaler", note: HostCopy) -> None:
+    scaler._floor_note = None
+    streak, scale = note.value.tolist()  # a host tensor that has arrived: no sync
+    if streak >= _FLOOR_CHECK_STREAK:
+        _warn_at_floor(scaler, int(streak), scale)
+
+
+def _warn_at_floor(scaler: "GradScaler", streak: int, scale: float) -> None:
     low = scaler._scale_bounds()[0]
-    if scaler.get_scale() <= low:
+    if scale <= low:
         warnings.warn(
-            f"ampkit: {scaler._host_overflow_streak} steps in a row overflowed and the loss "
+            f"ampkit: {streak} steps in a row overflowed and the loss "
             f"scale is at its floor ({low:g}), so every step is skipped: the gradients are not "
             "finite whatever the scale (check the loss and the inputs, lower the learning "
-            "rate, or train in bf16)", RuntimeWarning, stacklevel=3)
+            "rate, or train in bf16)", RuntimeWarning, stacklevel=4)
 
 
 def _names_cuda(device: Any) -> bool:
@@ -230,6 +266,8 @@ class GradScaler(torch.amp.GradScaler):
         self._min_scale, self._max_scale = bounds
         self._fp16_grads = False  # set when unscale_ first sees gradients of fp16 params
         self._host_overflow_streak = 0  # overflowing steps in a row known on the host
+        self._device_updates = 0  # updates whose overflow the host did not read
+        self._floor_note: Optional[HostCopy] = None  # the run of overflows on its way
         self._init_scale = self._clamp(init)
 
     # --- scale tensors ----------------------------------------------------------------------
@@ -921,11 +959,14 @@ class GradScaler(torch.amp.GradScaler):
                          "_traced_steps"):
                 state[name] = None
             state["_pending_found"] = []  # folded into the counters read by stats() above
+        state["_floor_note"] = None  # a copy on its way (an event cannot be pickled)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_fp16_grads", False)  # pickled before the fp16 floor existed
         state.setdefault("_host_overflow_streak", 0)
+        state.setdefault("_device_updates", 0)
+        state.setdefault("_floor_note", None)
         state.setdefault("_pending_found", [])
         state.setdefault("_traced_steps", None)
         self.__dict__.update(state)

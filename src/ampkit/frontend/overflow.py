@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _state
-from .._torch_compat import STEP_SUPPORTS_AMP_SCALING, Event
+from .._host_copy import HostCopy
+from .._torch_compat import STEP_SUPPORTS_AMP_SCALING
 from ..optim import AmpStash
 from ..scaler import GradScaler, check_floor
 
@@ -56,6 +57,8 @@ def update(amp: _state.ActiveAmp, scaler: GradScaler, found_inf: Tensor,
         # A listening logger gets the overflow later, from a copy already on the host.
         for stash in stashes:
             stash.found_inf = or_flag(stash.found_inf, found_inf)
+        if window is None:  # the floor's warning, from a copy on its way to the host
+            check_floor(scaler, None)
         if logger.isEnabledFor(amp.log_level):
             amp.overflow_notes.append(_OverflowNote.start(found_inf, _names(optimizers), loss_id))
         return
@@ -145,23 +148,16 @@ def _names(optimizers: list[torch.optim.Optimizer]) -> str:
 class _OverflowNote:
     """A fused step's overflow flag on its way to the host, logged once it has arrived."""
 
-    flag: Tensor
-    event: Any
+    flag: HostCopy
     names: str
     loss_id: int
 
     @classmethod
     def start(cls, found_inf: Tensor, names: str, loss_id: int) -> "_OverflowNote":
-        flag = found_inf.detach().to("cpu", non_blocking=True, copy=True)
-        flag._ampkit_host_copy = True  # type: ignore[attr-defined]  # read without a sync
-        event = None
-        if found_inf.device.type != "cpu":
-            event = Event(device=found_inf.device)
-            event.record()
-        return cls(flag, event, names, loss_id)
+        return cls(HostCopy(found_inf), names, loss_id)
 
     def arrived(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.flag.arrived()
 
 
 def report_overflows(amp: _state.ActiveAmp) -> None:
@@ -170,7 +166,7 @@ def report_overflows(amp: _state.ActiveAmp) -> None:
     for note in amp.overflow_notes:
         if not note.arrived():
             waiting.append(note)
-        elif note.flag.item():  # a host tensor: no device sync
+        elif note.flag.value.item():  # a host tensor: no device sync
             logger.log(amp.log_level, "Gradient overflow: the step of %s was skipped on the "
                        "device; loss scaler %d backed off", note.names, note.loss_id)
     amp.overflow_notes = waiting
