@@ -1556,3 +1556,49 @@ def test_scale_loss_with_an_optimizer_of_a_replaced_initialize_warns():
         with scale_loss(first(torch.randn(2, 8)).float().sum(), opt_a) as scaled:
             scaled.backward()
     assert len(record) == 1 and "was prepared by an earlier" in str(record[0].message)
+
+
+def _accumulate_then_step(level: str, close: bool, overflow: bool, fused: bool):
+    _state.set_active(None)
+    model = _model()
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=torch.float16)
+    optimizer.zero_grad()
+    for micro in range(2):
+        loss = _loss(model, micro) * (float("inf") if overflow and micro == 0 else 1.0)
+        with scale_loss(loss, optimizer, delay_unscale=not (close and micro == 1)) as scaled:
+            scaled.backward()
+    optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], _scale()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_a_step_after_delayed_exits_only_unscales_and_checks_them_first(level, overflow, fused):
+    """An epoch whose last micro-batch delays: step() stepped the still-scaled gradients
+    (65536 times too large under O1) and an overflow the delayed exits had found reached
+    the weights. Now it does what an exit that does not delay would have done first."""
+    start = [p.detach().clone() for p in _model().parameters()]
+    closed, closed_scale = _accumulate_then_step(level, True, overflow, fused)
+    with pytest.warns(RuntimeWarning, match=r"step\(\) came after scale_loss\(\.\.\., "
+                                            r"delay_unscale=True\) with no scale_loss since"):
+        stepped, stepped_scale = _accumulate_then_step(level, False, overflow, fused)
+    assert all(torch.equal(a, b) for a, b in zip(closed, stepped)) and stepped_scale == closed_scale
+    assert all(torch.isfinite(p).all() for p in stepped)
+    moved = not all(torch.equal(a.to(b.dtype), b) for a, b in zip(start, stepped))
+    assert moved is not overflow and stepped_scale == (2.0**15 if overflow else 2.0**16)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
+def test_a_step_after_delayed_exits_only_in_a_run_of_several_processes(several_processes,
+                                                                       level, overflow):
+    """The same where the grads stay on the model (DDP): the exit step() runs joins the
+    loss scaler's window, which closes in the same step."""
+    closed, closed_scale = _accumulate_then_step(level, True, overflow, False)
+    with pytest.warns(RuntimeWarning, match=r"delay_unscale=True\) with no scale_loss since"):
+        stepped, stepped_scale = _accumulate_then_step(level, False, overflow, False)
+    assert all(torch.equal(a, b) for a, b in zip(closed, stepped)) and stepped_scale == closed_scale
+    assert stepped_scale == (2.0**15 if overflow else 2.0**16)

@@ -269,7 +269,7 @@ def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
     """Whether this step is the overflowing one (after the callbacks a step begins with,
     which may decide it): then params, masters and optimizer state stay as they are, and
     the inf/NaN grads are dropped so they do not leak into the next iteration."""
-    if stash.before_step:
+    while stash.before_step:  # (one may add another: an exit it runs joins a window)
         callbacks, stash.before_step = stash.before_step, {}
         for callback in callbacks.values():
             callback()

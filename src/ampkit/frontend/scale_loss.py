@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor, nn
 from .. import _state
 from .._checks import check_bool
 from .._torch_compat import foreach_mul_
+from .._warn import warn_once
 from ..apply import OptimizerArg
 from ..optim import AmpStash, stash_of
 from ..scaler import GradScaler, unscale_grads_
@@ -161,10 +163,15 @@ class _ScaleLoss:
             for stash in stashes:  # the grads left scaled now carry this scale
                 stash.scaled_in = tag
         if delay_unscale:
-            for stash in stashes:  # checked with the call that does not delay
+            for opt, stash in zip(self.opts, stashes):  # checked with the call that does not delay
                 stash.pending_found_inf = or_flag(stash.pending_found_inf, found_inf)
+                # or, if step() comes first, by an exit step() runs before it decides
+                stash.before_step[_CLOSE_DELAYED] = functools.partial(
+                    _close_delayed, weakref.ref(opt), self.loss_id)
             return False
         for stash in stashes:
+            if stash.before_step:
+                stash.before_step.pop(_CLOSE_DELAYED, None)
             if stash.pending_found_inf is not None:
                 # A flag stays 0 or 1: fused kernels skip only on found_inf == 1.0.
                 torch.maximum(found_inf, stash.pending_found_inf.to(found_inf.device),
@@ -173,6 +180,34 @@ class _ScaleLoss:
         if amp.dynamic and not self.delay_overflow_check:
             update(amp, scaler, found_inf, self.opts, stashes, self.loss_id, window=window)
         return False
+
+
+_CLOSE_DELAYED = "close delayed"  # the before_step key of _close_delayed
+
+
+def _close_delayed(optimizer_ref: Any, loss_id: int) -> None:
+    """``step()`` after ``scale_loss(..., delay_unscale=True)`` with no exit since that does
+    not delay (the last micro-batches of an epoch): the gradients are still scaled and
+    their overflow unchecked. An exit without a body does what that call would have done
+    (unscale, check, update loss scaler ``loss_id``, skip this step after an overflow);
+    apex stepped the scaled gradients."""
+    optimizer = optimizer_ref()
+    stash = None if optimizer is None else stash_of(optimizer)
+    amp = _state.get_active()
+    if stash is None or amp is None or not amp.enabled or (
+            stash.delayed_inv is None and stash.pending_found_inf is None):
+        return  # zero_grad() dropped them, or another initialize replaced this one
+    warn_once(("close delayed", type(optimizer).__name__),
+              f"{type(optimizer).__name__}.step() came after scale_loss(..., "
+              "delay_unscale=True) with no scale_loss since that does not delay: its "
+              "gradients were still scaled, so ampkit unscaled and checked them first, as "
+              "that call would have (apex stepped them scaled); end an accumulation with "
+              "delay_unscale=False", RuntimeWarning)
+    scaler = amp.scalers[loss_id] if amp.scaling else None
+    scale = None if scaler is None else scaler.scale_tensor()
+    with scale_loss(torch.zeros((), device=None if scale is None else scale.device),
+                    optimizer, loss_id=loss_id):
+        pass
 
 
 def _count_fixed_step(amp: _state.ActiveAmp, loss_id: int, stashes: list[AmpStash]) -> None:
