@@ -1160,3 +1160,27 @@ def test_a_float64_step_whose_output_differs_is_not_used():
     report = inspect(model, torch.randn(64, 256), policy="16-mixed")  # 16384 outputs
     hit = [s for s in report.advice if s.startswith("'0' has")]
     assert hit and "rounding noise not counted" not in hit[0], report.advice  # the column's
+
+
+@pytest.mark.parametrize("policy", ["16-mixed", "O2-fp16"])
+def test_a_root_with_parameters_is_reported_before_the_policys_output_cast(policy):
+    """The root's hook saw its output after the cast of the model's output to fp32: a
+    bare Linear that overflows fp16 read overflow 0 and out_dtype float32, where the same
+    layer inside a Sequential read the truth."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+    x = torch.randn(8, 64) * 1e5
+    bare = inspect(layer, x, policy=policy).modules[0]
+    wrapped = inspect(nn.Sequential(layer), x, policy=policy).modules[0]
+    assert bare.out_dtype is wrapped.out_dtype is torch.float16
+    assert bare.overflow == wrapped.overflow > 0.1 and bare.nonfinite and wrapped.nonfinite
+    assert bare.out_sqnr_db == wrapped.out_sqnr_db
+
+
+def test_an_fp8_policy_on_a_model_that_is_one_linear_runs_it_in_fp8():
+    """convert_to_fp8 returns a bare Linear converted: inspect dropped it, ran bf16 only
+    and advised that no Linear qualifies."""
+    report = inspect(nn.Linear(32, 32), torch.randn(16, 32), policy="fp8-tensorwise")
+    assert report.modules[0].type == "Float8Linear"
+    assert {"float8_e4m3fn", "float8_e5m2"} <= report.flops.keys()
+    assert not any("qualifies" in sentence for sentence in report.advice)

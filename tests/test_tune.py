@@ -264,6 +264,35 @@ def test_apply_of_an_fp8_choice_converts_exactly_its_modules():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # bf16-mixed around it
 
 
+def test_an_fp8_choice_for_a_model_that_is_one_linear_converts_it(monkeypatch):
+    """convert_to_fp8 returns a bare Linear converted (it cannot swap the model inside
+    itself): autotune trained, and apply returned, the plain Linear while reporting it fp8."""
+    from ampkit.fp8 import Float8Linear
+    from ampkit.tune import TuneResult
+
+    from ampkit.fp8.select import LayerTiming
+
+    monkeypatch.setattr("ampkit.tune.time_fp8_layers", lambda model, inputs, *, recipe: [
+        LayerTiming("", 16, 32, 32, bf16_ms=1.0, fp8_ms=0.5)])
+    trained = []
+    real = ampkit.tune.convert_to_fp8
+
+    def spy(model, **kwargs):
+        out = real(model, **kwargs)
+        trained.append(type(out).__name__)
+        return out
+    monkeypatch.setattr("ampkit.tune.convert_to_fp8", spy)
+    torch.manual_seed(0)
+    result = ampkit.autotune(nn.Linear(32, 32), torch.randn(16, 32), torch.randn(16, 32),
+                             candidates=["fp8"], steps=3)
+    assert result.details[1]["fp8_modules"] == [""] and trained == ["Float8Linear"]
+    model = nn.Linear(32, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    converted, same = TuneResult("fp8", rows=[], speedup=1.3, fp8_modules=[""]).apply(model, opt)
+    assert isinstance(converted, Float8Linear) and same is opt
+    assert converted.weight is model.weight and opt.param_groups[0]["params"][0] is model.weight
+
+
 def test_choose_skips_rows_that_were_not_trained():
     rows = [{"policy": "32-true", "step_ms": 2.0, "max_loss_dev": 0.0},
             {"policy": "fp8", "step_ms": None, "max_loss_dev": None, "reason": "no layer"},

@@ -69,6 +69,39 @@ def test_bad_inputs_exit_2_before_training(capsys, monkeypatch, argv, words):
         assert word in err[0], (word, err[0])
 
 
+@pytest.mark.parametrize("function, words", [
+    ("frozen", "no parameter of the model requires grad"),
+    ("no_params", "has no parameters"),
+    ("wrapped", "wrapped in DataParallel"),
+    ("empty", "inputs hold no samples"),
+])
+def test_a_model_autotune_refuses_exits_2_with_one_line(tmp_path, capsys, monkeypatch,
+                                                        function, words):
+    """They exited 1 ("failed"), two lines, after the progress line, as if training broke."""
+    (tmp_path / "tune_bad_models_for_tests.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        def frozen():
+            return nn.Linear(8, 4).requires_grad_(False), (torch.randn(4, 8), None)
+
+        def no_params():
+            return nn.ReLU(), (torch.randn(4, 8), None)
+
+        def wrapped():
+            return nn.DataParallel(nn.Linear(8, 4)), (torch.randn(4, 8), None)
+
+        def empty():
+            return nn.Linear(8, 4), (torch.randn(0, 8), None)
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ampkit, "autotune", lambda *a, **k: pytest.fail("autotune ran"))
+    assert main(["tune", "--model", f"tune_bad_models_for_tests:{function}", "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ampkit tune: error: cannot tune this model: ")
+    assert words in err[0]
+
+
 def test_seed_decides_a_user_functions_random_weights(tmp_path, capsys, monkeypatch):
     (tmp_path / "tune_models_for_tests.py").write_text(textwrap.dedent('''
         import torch

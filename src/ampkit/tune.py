@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ._batch import call_model
 from ._dtypes import autocast_default_dtype, default_device_type, map_tensors
-from ._loss import check_target, default_loss
+from ._loss import default_loss
 from ._measure import MemoryMeter, num_threads, synchronize, threads_for, time_steps
 from ._reference import copy_model
 from .apply import apply_policy, loop_scaler
@@ -38,8 +38,7 @@ from .fp8 import convert_to_fp8
 from .fp8.convert import selecting
 from .fp8.select import LayerTiming, faster_fp8_layers, time_fp8_layers
 from .policy import OPT_LEVELS, get_policy
-from .tune_args import (FP8_CANDIDATES, check_args, check_candidate, check_inputs,
-                        native_candidates)
+from .tune_args import FP8_CANDIDATES, check_candidate, check_request, native_candidates
 from .tune_result import FP8_COMPUTE, ROW_KEYS, TuneResult, fp8_recipe
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -132,11 +131,9 @@ def autotune(model: nn.Module, inputs: Any, target: Any = None, *,
     if torch.is_inference_mode_enabled():
         raise RuntimeError("autotune trains each candidate (a backward pass); valid: call it "
                            "outside torch.inference_mode()")
-    names = [_REFERENCE] + check_args(model, candidates, max_loss_dev, steps, optimizer,
-                                      loss_fn, device, threads)
-    check_inputs(inputs)
-    if loss_fn is None:
-        check_target(target)
+    names = [_REFERENCE] + check_request(
+        model, inputs, target, candidates=candidates, max_loss_dev=max_loss_dev, steps=steps,
+        optimizer=optimizer, loss_fn=loss_fn, device=device, threads=threads)
     device = (str(device) if device is not None else
               next((p.device.type for p in model.parameters()), default_device_type()))
     names = distinct_candidates([on_device(name, device) for name in names])
@@ -233,8 +230,8 @@ class _Run:
         with self._tracked(), self._guarded():
             self.model = copy_model(model, "autotune").to(device)
             if recipe is not None:
-                convert_to_fp8(self.model, recipe=recipe,
-                               module_filter=selecting(self.model, self.fp8_modules))
+                self.model = convert_to_fp8(self.model, recipe=recipe,
+                                            module_filter=selecting(self.model, self.fp8_modules))
             self.optimizer = make_opt(self.model.parameters())
             if not isinstance(self.optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer returned {type(self.optimizer).__name__} "

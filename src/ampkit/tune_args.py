@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from ._checks import check_int
+from .apply import check_models
 from ._dtypes import device_policies, iter_tensors
+from ._loss import check_target
 from ._reference import check_fp32_model
 from .fp8.config import FP8_POLICY_NAMES, fp8_policy_recipe
 from .policy import Policy, get_policy
@@ -32,6 +34,20 @@ def check_max_loss_dev(value: Any, name: str = "max_loss_dev") -> float:
         raise ValueError(f"{name} must be a number >= 0 (finite), got {value!r}; valid: e.g. "
                          "0.02 (2%)")
     return float(value)
+
+
+def check_request(model: Any, inputs: Any, target: Any = None, *, candidates: Any = None,
+                  max_loss_dev: Any = 0.02, steps: Any = 20, optimizer: Any = None,
+                  loss_fn: Any = None, device: Any = None, threads: Any = None) -> list[str]:
+    """Everything autotune checks before any work, alone (its arguments): a ValueError or
+    TypeError here is a request it refuses (``ampkit tune`` makes it a usage error); one
+    raised afterwards came from training. Returns the candidate names, as check_args."""
+    names = check_args(model, candidates, max_loss_dev, steps, optimizer, loss_fn, device,
+                       threads)
+    check_inputs(inputs)
+    if loss_fn is None:
+        check_target(target)
+    return names
 
 
 def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optimizer: Any,
@@ -67,7 +83,9 @@ def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optim
 
 
 def _check_model(model: nn.Module) -> None:
-    """An fp32 model (the reference must be fp32) with parameters to train."""
+    """An fp32 model (the reference must be fp32) with parameters to train, not wrapped
+    in (Distributed)DataParallel (each candidate's policy is applied to a copy of it)."""
+    check_models(model)
     check_fp32_model(model, "autotune")
     params = dict(model.named_parameters())
     valid = "valid: a model with at least one parameter that requires grad"

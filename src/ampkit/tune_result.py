@@ -93,7 +93,9 @@ class TuneResult:
                     else kept_names(model))
             _check_fp8_modules(model, self.fp8_modules, kept)
             # Checks before its first swap; the plan above holds the same parameters after it.
-            convert_to_fp8(model, recipe=recipe, module_filter=selecting(model, self.fp8_modules))
+            # (A bare Linear comes back converted: a new module with the same parameters.)
+            model = convert_to_fp8(model, recipe=recipe,
+                                   module_filter=selecting(model, self.fp8_modules))
         application.activate()
         return model, optimizer
 

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import _measure as measure
     from ..bench import report, verdict
     from ..bench.workloads import get_workload
+    from ..tune_args import check_request
 
     device = check_device(args.device)
     candidates = check_candidates(args.candidates, device)
@@ -105,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = workload.build()
     inputs, target = workload.batches(torch.device(device))[0]
+    try:  # what autotune refuses before any work is a usage error, as doctor's
+        check_request(model, inputs, target, candidates=candidates,
+                      max_loss_dev=args.max_loss_dev, steps=args.steps,
+                      loss_fn=workload.loss_fn, device=device, threads=threads)
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"cannot tune this model: {err}") from None
     out = sys.stderr if args.json == "-" else sys.stdout
     if not args.quiet and args.json != "-":
         print(f"tuning {len(candidates)} candidates x {args.steps} steps on "

@@ -275,9 +275,13 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                  exact: Callable[[list[str]], Optional[dict[str, float]]]) -> Report:
     """The same step under the policy, compared as it runs; builds the report. ``exact``
     checks the gradient underflow the advice would name against a float64 step."""
-    work = _copy(model)
-    fp8_layers = _apply(work, setup)
-    handles = _install(work, table, setup, reference=False)
+    work = _fp8(_copy(model), setup)  # a bare Linear comes back a new module
+    # The root's output as it computed it, before the policy's cast of the model's output
+    # (fp32 under O2 and the mixed policies, which would hide its half-precision overflow).
+    _observe_root(work, table, setup)
+    apply_policy(setup.policy, work)
+    fp8_layers = frozenset(name for name, m in work.named_modules() if isinstance(m, Float8Linear))
+    handles = _install(work, table, setup, reference=False, root=False)
     counter = FlopCounter()
     try:
         with watch(work) as watcher, counter, torch.enable_grad():
@@ -312,15 +316,31 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
 
 
-def _apply(work: nn.Module, setup: _Setup) -> frozenset[str]:
-    """Apply the policy to the copy; the names of its fp8 layers."""
-    if setup.fp8_recipe is not None:
-        # Emulated where there are no fp8 tensor cores: the same numerics, which is
-        # what a report is about (so no emulation warning).
-        emulate = None if fp8_supported(str(setup.device)) else True
-        convert_to_fp8(work, recipe=Float8Config(setup.fp8_recipe, emulate=emulate))
-    apply_policy(setup.policy, work)
-    return frozenset(name for name, m in work.named_modules() if isinstance(m, Float8Linear))
+def _fp8(work: nn.Module, setup: _Setup) -> nn.Module:
+    """The copy with its Linear layers in fp8 under an fp8 policy (a bare Linear: a new
+    module), else the copy itself."""
+    if setup.fp8_recipe is None:
+        return work
+    # Emulated where there are no fp8 tensor cores: the same numerics, which is what a
+    # report is about (so no emulation warning).
+    emulate = None if fp8_supported(str(setup.device)) else True
+    return convert_to_fp8(work, recipe=Float8Config(setup.fp8_recipe, emulate=emulate))
+
+
+def _observe_root(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+    """Compare the root's output inside its forward, where a policy applied afterwards
+    keeps this forward inside its own casts (``convert`` wraps an instance's forward)."""
+    if not any(name == "" for name, _ in tracked(work)):
+        return
+    inner = work.__dict__.get("forward")
+    cls_forward = type(work).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = inner(*args, **kwargs) if inner is not None else cls_forward(work, *args, **kwargs)
+        _compare_output("", work, output, table, setup)
+        return output
+
+    work.forward = forward  # type: ignore[method-assign]  # (the copy is dropped after)
 
 
 def _bf16_name(setup: _Setup) -> Optional[str]:
@@ -344,11 +364,11 @@ def tracked(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _install(model: nn.Module, table: dict[str, _Module], setup: _Setup,
-             reference: bool) -> list[RemovableHandle]:
+             reference: bool, root: bool = True) -> list[RemovableHandle]:
     hook = _record_reference if reference else _compare_output
     return [module.register_forward_hook(
         lambda mod, args, out, name=name: hook(name, mod, out, table, setup))
-        for name, module in tracked(model)]
+        for name, module in tracked(model) if root or name != ""]
 
 
 def _floats(output: Any) -> list[Tensor]:
