@@ -1184,3 +1184,84 @@ def test_an_fp8_policy_on_a_model_that_is_one_linear_runs_it_in_fp8():
     assert report.modules[0].type == "Float8Linear"
     assert {"float8_e4m3fn", "float8_e5m2"} <= report.flops.keys()
     assert not any("qualifies" in sentence for sentence in report.advice)
+
+
+def test_flops_count_matrix_vector_products_and_bilinear_layers():
+    """torch's formulas have none for mv, addmv, dot or nn.Bilinear's _trilinear: a scoring
+    head `h @ query` in bf16 reported no FLOPs and a low-precision share of 0."""
+    from ampkit.diagnose.flops import FlopCounter
+
+    h, v = torch.randn(6, 4), torch.randn(4)
+    with FlopCounter() as counter:
+        h @ v  # mv
+        torch.addmv(torch.randn(6), h, v)
+        v @ v  # dot
+        torch.vdot(v, v)
+    assert counter.flops == {"float32": 2 * (2 * 6 * 4) + 2 * (2 * 4)}
+    bilinear, x1, x2 = nn.Bilinear(3, 5, 7), torch.randn(2, 3), torch.randn(2, 5)
+    with FlopCounter() as counter:
+        bilinear(x1, x2)
+    assert counter.flops == {"float32": 2 * 2 * 7 * 3 * 5}
+
+    class Score(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return x @ self.query
+
+    report = inspect(Score(), torch.randn(8, 16), policy="bf16-mixed")
+    assert report.flops == {"bfloat16": 2 * (2 * 8 * 16)}  # forward, and the query's gradient
+    assert report.low_precision_share == 1.0
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class _Spectral(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(5, dtype=torch.complex64))
+
+    def forward(self, x):
+        return torch.fft.rfft(x) * self.w / 0.0  # inf and NaN in a complex output
+
+
+def test_watch_checks_complex_outputs():
+    """Complex tensors were not checked: the next module got the blame, or none did."""
+    model = nn.Sequential(_Spectral(), Lambda(lambda z: z.real))
+    with watch(model) as w:
+        model(torch.randn(2, 8))
+    alone = nn.Sequential(_Spectral())
+    with watch(alone) as w2:
+        alone(torch.randn(2, 8))
+    assert w.first_nonfinite == w2.first_nonfinite == ("forward", "0")
+    finite = nn.Sequential(nn.Linear(8, 8), Lambda(lambda x: torch.fft.rfft(x).conj()))
+    with watch(finite) as w3:  # a conjugate view is read too
+        finite(torch.randn(2, 8)).real.sum().backward()
+    assert w3.first_nonfinite is None
+
+
+def test_inspect_and_autotune_run_while_a_watch_on_the_model_is_open():
+    """Their copies of the model deep-copied watch's hooks, and with them the watch (its
+    lock cannot be copied): both raised "copy.deepcopy failed"."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    with watch(model) as w:
+        inspect(model, x, y, policy="bf16-mixed")
+        ampkit.autotune(model, x, y, candidates=["bf16-mixed"], steps=3)
+        twin = copy.deepcopy(model)
+        pickle.loads(pickle.dumps(model))
+        twin(x * math.nan)  # a copy's hooks report nothing into this watch
+        model(x).sum().backward()
+    assert w.first_nonfinite is None

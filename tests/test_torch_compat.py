@@ -305,6 +305,17 @@ def _cpu_fused_ops() -> None:
            f"takes {schema}")
 
 
+def _trilinear() -> None:
+    layer = torch.nn.Bilinear(3, 4, 5)
+    x1, x2 = torch.randn(2, 3), torch.randn(2, 4)
+    packets = {op.overloadpacket for op in _ops_seen(lambda: layer(x1, x2).sum().backward())}
+    _check("trilinear", tc.trilinear in packets, f"not dispatched by nn.Bilinear: "
+           f"{sorted(str(p) for p in packets)}")
+    schema = [a.name for a in tc.trilinear.default._schema.arguments]
+    _check("trilinear", schema[:7] == ["i1", "i2", "i3", "expand1", "expand2", "expand3",
+                                       "sumdim"], f"takes {schema}")
+
+
 def _unsafe_view() -> None:
     base = torch.arange(6.0)
     out = tc.unsafe_view(base, (2, 3))
@@ -663,7 +674,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "seeded_random": _seeded_random,
     "EagerDispatchMode": _eager_dispatch_mode, "aten_to_copy": _aten_to_copy,
     "cpu_attention": _cpu_fused_ops, "cpu_attention_backward": _cpu_fused_ops,
-    "rnn_layer": _cpu_fused_ops, "rnn_layer_backward": _cpu_fused_ops,
+    "rnn_layer": _cpu_fused_ops, "rnn_layer_backward": _cpu_fused_ops, "trilinear": _trilinear,
     "unsafe_view": _unsafe_view, "make_wrapper_subclass": _wrapper_subclass,
     "disabled_torch_function_impl": _wrapper_subclass, "tree_map_only": _wrapper_subclass,
     "tree_leaves": _wrapper_subclass, "op_mutates": _wrapper_subclass,

@@ -51,7 +51,7 @@ __all__ = [
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
     "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "seeded_random", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
-    "rnn_layer_backward",
+    "rnn_layer_backward", "trilinear",
     "unsafe_view", "uncompiled", "compiled_code_eager", "compile_tracing",
     # tensor subclasses (fp8 all-gather)
     "make_wrapper_subclass", "disabled_torch_function_impl", "tree_map_only", "tree_leaves",
@@ -379,6 +379,9 @@ cpu_attention_backward = _entry(
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward")
 rnn_layer = _entry("torch.ops.aten.mkldnn_rnn_layer")
 rnn_layer_backward = _entry("torch.ops.aten.mkldnn_rnn_layer_backward")
+# nn.Bilinear's kernel (F.bilinear, forward and backward), with no flop_registry formula
+# either: (i1, i2, i3, expand1, expand2, expand3, sumdim, ...); private, in every release.
+trilinear = _entry("torch.ops.aten._trilinear")
 # (tensor, shape): a reshape whose result is not a view, as torch's linear and matmul return
 # theirs (Float8Linear's output: FSDP2 hooks module outputs, which views would lose); 1.0.
 unsafe_view = _entry("torch.ops.aten._unsafe_view.default")

@@ -4,8 +4,9 @@ A ``TorchDispatchMode`` sees every aten op below autocast, so an op autocast cas
 bf16 is seen with bf16 operands and one it kept in fp32 with fp32 ones. The FLOPs of
 each op come from torch's own formulas (``torch.utils.flop_counter.flop_registry``:
 mm, addmm, bmm, baddbmm, convolution and its backward, ``_scaled_mm``, attention;
-2*M*N*K per matmul), and ampkit's for the CPU kernels torch has none for (flash attention
-on the CPU, oneDNN's RNN layer), so forward and backward are both counted.
+2*M*N*K per matmul), and ampkit's for those torch has none for (matrix-vector and vector
+products, nn.Bilinear's ``_trilinear``, flash attention on the CPU, oneDNN's RNN layer), so
+forward and backward are both counted.
 
 Emulated fp8: where there are no fp8 tensor cores, ``Float8Linear`` widens its fp8
 operands to fp32 and multiplies those; such a matmul is counted under the fp8 dtype its
@@ -23,7 +24,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._torch_compat import (EagerDispatchMode, aten_to_copy, cpu_attention,
-                             cpu_attention_backward, rnn_layer, rnn_layer_backward)
+                             cpu_attention_backward, rnn_layer, rnn_layer_backward, trilinear)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -35,10 +36,29 @@ def _rnn_layer_flops(inputs: Tensor, w_ih: Tensor, w_hh: Tensor) -> int:
     return 2 * steps_by_batch * (w_ih.numel() + w_hh.numel())
 
 
-# Formulas for the CPU kernels torch's flop_registry has none for (its formulas otherwise):
-# flash attention on the CPU (transformers' attention there) and oneDNN's RNN layer (nn.LSTM,
-# nn.GRU on the CPU), backward twice the forward's matmuls.
+def _trilinear_flops(i1: Tensor, i2: Tensor, i3: Tensor, expand1: Any, expand2: Any,
+                     expand3: Any, *_: Any, **__: Any) -> int:
+    """``_trilinear``: each operand unsqueezed at its ``expand`` dims, the three multiplied
+    over their broadcast shape and summed (nn.Bilinear: 2 * batch * out * in1 * in2)."""
+    shapes = []
+    for tensor, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        shape = list(tensor.shape)
+        for dim in sorted(expand):
+            shape.insert(dim, 1)
+        shapes.append(shape)
+    return 2 * torch.Size(torch.broadcast_shapes(*shapes)).numel()
+
+
+# Formulas for what torch's flop_registry has none for (its formulas otherwise): matrix-vector
+# and vector products (a matmul with a 1-D operand), nn.Bilinear's kernel, flash attention on
+# the CPU (transformers' attention there) and oneDNN's RNN layer (nn.LSTM, nn.GRU on the CPU),
+# backward twice the forward's matmuls.
 _EXTRA_FORMULAS = {
+    torch.ops.aten.mv: lambda mat, vec, *_, **__: 2 * mat.numel(),
+    torch.ops.aten.addmv: lambda _, mat, vec, *__, **___: 2 * mat.numel(),
+    torch.ops.aten.dot: lambda a, b, *_, **__: 2 * a.numel(),
+    torch.ops.aten.vdot: lambda a, b, *_, **__: 2 * a.numel(),
+    trilinear: _trilinear_flops,
     cpu_attention: lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
     cpu_attention_backward: lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(
         grad.shape, q.shape, k.shape, v.shape),

@@ -37,7 +37,8 @@ FORWARD, BACKWARD = "forward", "backward"
 _PHASES = (FORWARD, BACKWARD)
 _FOLD = 512  # 0-dim values kept before they are folded in (bounds the list)
 _NONE = torch.iinfo(torch.int64).max  # a code's position while it has seen nothing non-finite
-_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+            torch.complex32, torch.complex64, torch.complex128)  # complex: as (re, im) pairs
 _NOT_EXITED = "the with block has not exited yet"
 
 
@@ -85,6 +86,8 @@ class _Flags:
         tensor = _stored_values(tensor)
         if tensor.numel() == 0:
             return
+        if tensor.is_complex():  # finite exactly when both parts are (a view, no copy)
+            tensor = torch.view_as_real(tensor.resolve_conj())
         # One reduction kernel, no sync: min and max are finite exactly when every element
         # is (NaN propagates, +inf shows in the max, -inf in the min). The inf-norm is one
         # kernel too but ~20x slower on CPU; a sum can overflow from finite values.
@@ -135,6 +138,26 @@ def _on_device(codes: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
         return codes.pin_memory().to(device, non_blocking=True)
     return codes.to(device)
+
+
+class _Hook(functools.partial):
+    """One of watch's hooks (a partial of its method). A copy of the model (``deepcopy``,
+    pickle: inspect's and autotune's copies) gets a hook that does nothing instead: it
+    neither drags the watch along (its lock cannot be copied) nor reports into it."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _ignore
+
+    def __reduce__(self) -> Any:
+        return _ignored, ()
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """What a copied watch hook does: nothing."""
+
+
+def _ignored() -> Any:
+    return _ignore
 
 
 class Watch:
@@ -225,10 +248,10 @@ class Watch:
         handles = []
         for index, (_, module) in enumerate(self._named):
             handles.append(module.register_forward_pre_hook(
-                functools.partial(self._on_inputs, index), with_kwargs=True))
-            handles.append(module.register_forward_hook(functools.partial(self._on_output, index)))
+                _Hook(self._on_inputs, index), with_kwargs=True))
+            handles.append(module.register_forward_hook(_Hook(self._on_output, index)))
         for param, code in self._params:
-            handles.append(param.register_hook(functools.partial(self._on_grad, code)))
+            handles.append(param.register_hook(_Hook(self._on_grad, code)))
         return handles
 
     def _on_output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -274,7 +297,7 @@ class Watch:
                 continue
             cell = [index, tensor_version(tensor)]
             self._cells[tensor] = cell
-            hook = tensor.register_hook(functools.partial(self._on_input_grad, cell))
+            hook = tensor.register_hook(_Hook(self._on_input_grad, cell))
             if leaf:  # removed at exit (a leaf input, say the user's x, would keep it)
                 self._handles.append(hook)
             # (a hook left on an intermediate's graph node goes with it, a no-op once closed)
