@@ -303,6 +303,25 @@ def test_a_dtype_the_device_lacks_warns_and_disables_as_torch_does(dtype):
     assert (region.fast_dtype, region._enabled) == (dtype, False)
 
 
+@pytest.mark.parametrize("dtype, operand", [(torch.float64, torch.float32),
+                                            (torch.float32, torch.bfloat16)], ids=str)
+def test_a_dtype_the_device_lacks_disables_the_region_under_compile_too(dtype, operand):
+    """Traced by torch.compile, the region skipped torch's check and switched autocast on
+    in that dtype: an fp32 mm came out fp64, a bf16 one fp32."""
+    import torch._dynamo
+
+    def f(a, b):
+        with autocast("cpu", dtype=dtype):
+            return torch.mm(a, b)
+    a = torch.randn(4, 4, dtype=operand)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager construction's "Disabling autocast"
+        assert f(a, a).dtype is operand
+        assert torch.compile(f, backend="eager")(a, a).dtype is operand
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_a_non_floating_dtype_is_refused_naming_what_is_valid():
     with pytest.raises(ValueError, match=r"autocast dtype torch.int8 is not a floating dtype; "
                                          r"valid: torch.float16 or torch.bfloat16.*fp8\) warns"):

@@ -364,6 +364,25 @@ def test_compile_fullgraph_forward_backward(recipe):
                            eager[0].amax_history_grad_output)
 
 
+@pytest.mark.parametrize("recipe", [
+    "tensorwise", *(pytest.param(r, marks=pytest.mark.slow) for r in RECIPES if r != "tensorwise")])
+def test_compile_with_dynamic_shapes_equals_eager(recipe):
+    """Two fp8 layers under torch.compile(dynamic=True) stopped dynamo with an internal
+    AssertionError (a module-level float read inside the autograd.Function)."""
+    torch._dynamo.reset()
+    eager = convert_to_fp8(_mlp(), recipe=EMU[recipe])
+    compiled_model = convert_to_fp8(_mlp(), recipe=EMU[recipe])
+    compiled = torch.compile(compiled_model, backend="aot_eager", dynamic=True)
+    for batch in (3, 5, 7):
+        x = torch.randn(batch, 32)
+        out_e, out_c = eager(x), compiled(x)
+        assert torch.equal(out_c, out_e)
+        out_e.square().mean().backward()
+        out_c.square().mean().backward()
+    for p_c, p_e in zip(compiled_model.parameters(), eager.parameters()):
+        assert torch.equal(p_c.grad, p_e.grad)
+
+
 @pytest.mark.parametrize("config", [
     Float8Config("delayed", emulate=True, amax_compute_algo="most_recent"),
     Float8Config("delayed", emulate=True, amax_history_len=4)], ids=["most_recent", "len4"])

@@ -60,10 +60,13 @@ _CHECKED_DEVICES: dict[str, str] = {"cpu": "cpu", "cuda": "cuda"}
 def _torch_resolution(device_type: str, dtype: torch.dtype, enabled: bool,
                       compiling: Optional[bool] = None) -> tuple[bool, torch.dtype]:
     if compiling if compiling is not None else is_compiling():
-        # Dynamo cannot trace into a torch.autocast object's attributes; it checks the
-        # region itself when it traces the switches set in __enter__. The cache is not
-        # read either: the graph would be guarded on its contents, and compiled again
-        # once eager code filled it.
+        # Dynamo cannot trace into a torch.autocast object's attributes, nor does it
+        # check the switches __enter__ sets, so torch's rule for the dtype is applied
+        # here: on a CPU or a GPU, a dtype other than fp16 or bf16 disables the region
+        # (an eager construction warns). The cache is not read either: the graph would be
+        # guarded on its contents, and compiled again once eager code filled it.
+        if enabled and dtype not in HALF_DTYPES and device_type in ("cpu", "cuda"):
+            return False, dtype
         return enabled, dtype
     key: tuple = (device_type, dtype, enabled)
     if device_type == "cuda" and dtype is torch.bfloat16 and enabled:

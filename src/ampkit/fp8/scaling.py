@@ -25,9 +25,6 @@ FP8_DTYPES = (E4M3, E5M2)
 # Attention stores its probabilities p in [0, 1] in e4m3 as p * 2**8, so those down to
 # 2**-17 count (e4m3's own smallest is 2**-9); fp8/attention.py and its kernels use it.
 ATTENTION_P_SCALE = 256.0
-# amax is clamped to at least this before dividing, so a tiny (but non-zero) amax gives a
-# large finite scale (448 / 1e-12 ~ 4.5e14, far below fp32's 3.4e38) instead of inf.
-AMAX_EPS = 1e-12
 
 
 class Fp8(NamedTuple):
@@ -83,7 +80,11 @@ def amax_to_scale(amax: Tensor, dtype: torch.dtype, margin: int = 0) -> Tensor:
         [224.0, 1.0, nan, 0.0]
     """
     amax = amax.float()
-    scale = fp8_max(dtype) / amax.clamp(min=AMAX_EPS)  # (NaN stays NaN, inf gives 0)
+    # amax is clamped to at least 1e-12 before dividing, so a tiny (but non-zero) amax gives
+    # a large finite scale (448 / 1e-12 ~ 4.5e14, far below fp32's 3.4e38) instead of inf.
+    # A literal: a module-level float read inside an autograd.Function stops dynamo under
+    # torch.compile(dynamic=True) ("lift_tracked_freevar_to_input", torch 2.11 and 2.13).
+    scale = fp8_max(dtype) / amax.clamp(min=1e-12)  # (NaN stays NaN, inf gives 0)
     if margin:
         scale = scale / (2.0 ** margin)
     return torch.where(amax == 0, 1.0, scale)
