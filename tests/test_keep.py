@@ -245,6 +245,23 @@ def test_a_compiled_model_with_kept_modules_is_one_graph_equal_to_eager(level):
     assert out.dtype == expected.dtype and torch.equal(out, expected)
 
 
+def test_a_compiled_model_with_kept_modules_compiles_once_when_compiled_first():
+    """The kept region made its per-thread stack at the first call, and the first graph,
+    guarded on its absence, was compiled again at the second."""
+    model = ampkit.initialize(Net(), opt_level="O1", half_dtype=BF16, verbosity=0,
+                              keep_fp32=["norm", "head"])
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for _ in range(3):
+        compiled(torch.randn(4, 16)).float().sum().backward()
+    assert len(graphs) == 1
+
+
 class _MatmulHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -28,6 +28,13 @@ from ._torch_compat import is_compiling
 from .convert import BoundForward
 
 
+class _Stacks(threading.local):
+    """Per thread: the open fp32 regions of one kept module (recursive calls nest)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[Any, Optional[torch.dtype]]] = []
+
+
 class Fp32Region:
     """Autocast off for one module's forward, fp32 inputs; per-thread stack (recursion).
 
@@ -40,7 +47,7 @@ class Fp32Region:
 
     def __init__(self, traced_by_forward: bool = False,
                  around: Optional[torch.Tensor] = None) -> None:
-        self._local = threading.local()
+        self._local = _Stacks()
         self.traced_by_forward = traced_by_forward
         self.around = around
 
@@ -56,10 +63,9 @@ class Fp32Region:
         from .autocast import autocast  # autocast imports nothing of this module
 
         device = _device_type(module, args)
-        # getattr, not ``__dict__.setdefault``: the dynamo of torch 2.11 traces only this.
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
+        # Made with the thread's local (no hasattr: a graph guarded on its absence at the
+        # first call compiled again at the second).
+        stack = self._local.stack
         autocasting = has_autocast(device) and torch.is_autocast_enabled(device)
         # Outside autocast (a half O2/O3 model), the outputs go back to the half dtype
         # around the module (see _restore_dtype).
@@ -78,7 +84,7 @@ class Fp32Region:
         return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        stack = getattr(self._local, "stack", None)
+        stack = self._local.stack
         if not stack:
             return output
         region, restore = stack.pop()

@@ -634,11 +634,12 @@ class GradScaler(torch.amp.GradScaler):
         else:
             # Every recorded found-inf was all-reduced already, in unscale_ or before a fused step.
             self._apply_update(found_inf, synced=True)
-        hosts = [s.get("found_host") for s in states]
-        known = bool(hosts) and None not in hosts  # every optimizer plain: known without a sync
-        if known:
-            self._last_skipped_host = any(hosts)
-        check_floor(self, self._last_skipped_host if known else None)
+        if not is_compiling():  # (traced, the values read would become guards: recompiles)
+            hosts = [s.get("found_host") for s in states]
+            known = bool(hosts) and None not in hosts  # every optimizer plain: known, no sync
+            if known:
+                self._last_skipped_host = any(hosts)
+            check_floor(self, self._last_skipped_host if known else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _combined_found_inf(self, states: list[dict[str, Any]],
