@@ -328,22 +328,50 @@ def test_a_non_floating_dtype_is_refused_naming_what_is_valid():
         autocast("cpu", dtype=torch.int8)
 
 
-@pytest.mark.parametrize("mode", [contextlib.nullcontext, lambda: torch.device("cpu")],
-                         ids=["plain", "function mode"])
-def test_an_instance_entered_again_while_open_restores_each_entry(mode):
+def test_an_instance_entered_again_while_open_under_a_function_mode_exits_cleanly():
     """Under a TorchFunctionMode (`with torch.device(...)`) the outer exit raised
-    AttributeError and left autocast on; without one both exits left it on, as torch's do."""
-    before = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    region = autocast("cpu", dtype=torch.float16)
-    with mode():
-        with region:
+    AttributeError and left autocast on; each entry now has its own torch.autocast, so
+    both exits put back what was there (torch's own instance leaves autocast on, as
+    ampkit's does without a mode)."""
+    results = []
+    for make in (torch.autocast, autocast):
+        torch.set_autocast_enabled("cpu", False)
+        region = make("cpu", dtype=torch.float16)
+        with torch.device("cpu"):
             with region:
-                assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype is torch.float16
-            assert torch.is_autocast_enabled("cpu")
-        assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
-        with region:  # and used again afterwards
-            assert torch.get_autocast_dtype("cpu") is torch.float16
-    assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
+                with region:
+                    inner = torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+                middle = torch.is_autocast_enabled("cpu")
+        results.append((inner, middle, torch.is_autocast_enabled("cpu")))
+    torch.set_autocast_enabled("cpu", False)
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    assert results[1][:2] == results[0][:2] == (torch.float16, True)
+    assert results[1][2] is False
+
+
+def test_one_instance_entered_by_several_threads_at_once():
+    """A region kept on a module that DataParallel's replicas share: entering it from
+    several threads at once must never fail (an attempt at nesting support raised
+    "cannot unpack non-iterable NoneType")."""
+    region = autocast("cpu", dtype=torch.bfloat16)
+    errors = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often, as on a busy machine
+
+    def work():
+        try:
+            for _ in range(5000):
+                with region:
+                    pass
+        except Exception as err:  # noqa: BLE001 - any failure is the finding
+            errors.append(err)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sys.setswitchinterval(interval)
+    assert errors == []
 
 
 def test_a_decorated_function_warns_once_at_decoration_not_per_call():

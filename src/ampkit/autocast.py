@@ -145,8 +145,7 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         self._cache_enabled = (is_autocast_cache_enabled() if cache_enabled is None
                                else cache_enabled)
         self._delegate: Optional[_TorchAutocast] = None
-        self._prev: Optional[tuple] = None  # torch's state before entry, while entered
-        self._outer: Optional[list] = None  # the outer entries' saved state, when re-entered
+        self._outer: Optional[list] = None  # outer entries' delegates, when entered again
 
     @staticmethod
     def _resolve_dtype(dtype: Optional[Union[torch.dtype, str]], device_type: str) -> torch.dtype:
@@ -162,13 +161,12 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
 
     def __enter__(self) -> "autocast":
         device = self.device_type
-        if self._delegate is not None or self._prev is not None:  # re-entered while open
-            if self._outer is None:
-                self._outer = []
-            self._outer.append((self._prev, self._delegate))
-            self._prev = self._delegate = None
         if is_torch_function_mode_enabled():
             # Tracing (torch.export, make_fx): let torch.autocast record the region.
+            if self._delegate is not None:  # entered again while open: each exit its own
+                if self._outer is None:
+                    self._outer = []
+                self._outer.append(self._delegate)
             self._delegate = _TorchAutocast(device, self.fast_dtype, self._enabled,
                                             self._cache_enabled)
         else:
@@ -194,22 +192,18 @@ class autocast:  # noqa: N801 - the name mirrors torch.autocast
         return self._restore_torch(exc_type, exc, tb)
 
     def _restore_torch(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        try:
-            if self._delegate is not None:
-                delegate, self._delegate = self._delegate, None
-                return bool(delegate.__exit__(exc_type, exc, tb))
-            # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
-            if autocast_decrement_nesting() == 0:
-                clear_autocast_cache()
-            cache, enabled, dtype = self._prev
-            self._prev = None
-            set_autocast_enabled(self.device_type, enabled)
-            set_autocast_dtype(self.device_type, dtype)
-            set_autocast_cache_enabled(cache)
-            return False
-        finally:
-            if self._outer:  # back to the state an outer entry of this instance saved
-                self._prev, self._delegate = self._outer.pop()
+        if self._delegate is not None:
+            delegate = self._delegate
+            self._delegate = self._outer.pop() if self._outer else None  # an outer entry's
+            return bool(delegate.__exit__(exc_type, exc, tb))
+        # Drop the weight-cast cache when leaving the outermost autocast region, as torch does.
+        if autocast_decrement_nesting() == 0:
+            clear_autocast_cache()
+        cache, enabled, dtype = self._prev
+        set_autocast_enabled(self.device_type, enabled)
+        set_autocast_dtype(self.device_type, dtype)
+        set_autocast_cache_enabled(cache)
+        return False
 
     @property
     def device(self) -> str:
