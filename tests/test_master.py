@@ -618,3 +618,35 @@ def test_zero_grad_keeping_zeros_steps_a_parameter_the_backward_did_not_reach(lo
     assert torch.equal(model.b.weight, expected.bfloat16())
     optimizer.zero_grad()  # the default frees them, as before
     assert model.b.weight.grad is None and model.a.weight.grad is None
+
+
+def test_zero_grad_keeping_zeros_makes_none_for_a_frozen_layer_or_a_group_added_later():
+    """(review) Every param that had ever had a gradient got a zero one again: a layer
+    frozen since (requires_grad False, its grad dropped) and a head added later with
+    add_param_group, never reached, were moved by AdamW's weight decay."""
+    import ampkit
+
+    model = _TwoHeads()
+    head = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level="O2",
+                                         half_dtype=torch.bfloat16, verbosity=0)
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=False)
+        if step == 1:
+            model.b.requires_grad_(False)
+            for p in model.b.parameters():
+                p.grad = None
+            optimizer.add_param_group({"params": head.to(torch.bfloat16).parameters()})
+            frozen = [p.detach().clone() for p in model.b.parameters()]
+            added = [p.detach().clone() for p in head.parameters()]
+        loss = model(torch.randn(5, 8), use_b=True).float().pow(2).mean()
+        with ampkit.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(frozen, model.b.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(added, head.parameters()))
+    assert model.a.weight.grad is None  # moved; zero_grad(set_to_none=False) makes it again
+    optimizer.zero_grad(set_to_none=False)
+    assert torch.equal(model.a.weight.grad, torch.zeros_like(model.a.weight))
+    assert model.b.weight.grad is None and head.weight.grad is None

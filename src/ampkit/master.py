@@ -153,11 +153,12 @@ class MasterWeights:
         # Model params' names (by id; model_params holds them, so no id is reused), for
         # errors only: a param added later (add_param_group) is named by its index.
         self._names: dict[int, str] = {}
-        # Which model params have had a (dense) gradient moved: zero_grad(set_to_none=False)
-        # gives them zero gradients again, as torch keeps a zeroed .grad once it exists
-        # (the move freed theirs). All of them once a move found every param with a grad.
-        self._all_graded = False
-        self._graded: set[int] = set()
+        # Which model params' (dense) gradients a move freed since the last zero_grad that
+        # set them to None: torch would still hold them, so zero_grad(set_to_none=False)
+        # gives them zero ones again. The first ``_freed_upto`` params (a move that found
+        # every param with a grad: no set built per step), and ``_freed`` by id.
+        self._freed_upto = 0
+        self._freed: set[int] = set()
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -223,11 +224,12 @@ class MasterWeights:
                     raise ValueError(resized)
                 self._full_plan = _plan(params, masters)
             plan = self._full_plan
-            self._all_graded = True
+            if not keep:
+                self._freed_upto = len(params)
         else:
             masters = [master for _, master in pending]
-            if not self._all_graded:
-                self._graded.update(id(p) for p in params if not p.grad.is_sparse)
+            if not keep:
+                self._freed.update(id(p) for p in params if not p.grad.is_sparse)
         try:  # free when nothing raises (one frame, no call)
             new = _to_fp32(params, masters, plan, free=not keep)
             if unscale is not None:
@@ -308,21 +310,24 @@ class MasterWeights:
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         """The optimizer's ``zero_grad`` on the model's half params.
 
-        ``set_to_none=False`` leaves every param that has had a gradient with a zero one,
-        as torch does: a param the next backward does not reach still steps, with a zero
-        gradient (momentum, Adam's moments and weight decay still move it). The move freed
-        those gradients, so they are made again here (a sparse one is left None: a zero
-        sparse gradient changes nothing in torch's sparse-capable optimizers).
+        ``set_to_none=False`` leaves every param whose gradient a move freed since the last
+        ``set_to_none=True`` with a zero one, as torch keeps a zeroed gradient: a param the
+        next backward does not reach still steps (momentum, Adam's moments and weight decay
+        still move it). Not a param that no longer requires grad (a frozen layer: under
+        torch its gradient is usually dropped with it, which ampkit cannot see), nor a
+        sparse one (a zero sparse gradient changes nothing in torch's sparse optimizers).
         """
         self._mirror = None
-        for param in self.model_params:
+        if set_to_none:
+            self._freed_upto, self._freed = 0, set()
+        for i, param in enumerate(self.model_params):
             if param.grad is not None:
                 if set_to_none:
                     param.grad = None
                 else:
                     param.grad.zero_()
-            elif not set_to_none and not self.released and (
-                    self._all_graded or id(param) in self._graded):
+            elif not set_to_none and param.requires_grad and not self.released and (
+                    i < self._freed_upto or id(param) in self._freed):
                 param.grad = torch.zeros_like(param)
 
     def remove(self) -> None:
