@@ -1602,3 +1602,48 @@ def test_a_step_after_delayed_exits_only_in_a_run_of_several_processes(several_p
         stepped, stepped_scale = _accumulate_then_step(level, False, overflow, False)
     assert all(torch.equal(a, b) for a, b in zip(closed, stepped)) and stepped_scale == closed_scale
     assert stepped_scale == (2.0**15 if overflow else 2.0**16)
+
+
+def _two_optimizers_delayed(close: bool, overflow: bool):
+    _state.set_active(None)
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    o1 = torch.optim.SGD(a.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(b.parameters(), lr=0.1)
+    [a, b], [o1, o2] = initialize([a, b], [o1, o2], opt_level="O1", half_dtype=torch.float16)
+    x = torch.randn(2, 4)
+    loss = (a(x).float().sum() + b(x).float().sum()) * (float("inf") if overflow else 1e-3)
+    with scale_loss(loss, [o1, o2], delay_unscale=True) as scaled:
+        scaled.backward()
+    if close:
+        with scale_loss(torch.zeros(()), [o1, o2]):
+            pass
+    o1.step()
+    o2.step()
+    return (_state.get_active().scalers[0].stats(), [p.detach().clone() for p in a.parameters()],
+            [p.detach().clone() for p in b.parameters()])
+
+
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
+def test_one_delayed_exit_over_two_optimizers_is_closed_once(overflow):
+    """(review) Each optimizer's step ran its own closing exit: the scaler counted two
+    updates, and backed off twice for one overflow."""
+    expected = _two_optimizers_delayed(True, overflow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _two_optimizers_delayed(False, overflow)
+    assert got[0] == expected[0] and got[0].steps == 1
+    assert all(torch.equal(x, y) for x, y in zip(got[1] + got[2], expected[1] + expected[2]))
+
+
+def test_a_delayed_exit_of_a_replaced_initialize_leaves_the_step_alone():
+    """(review) The closer indexed the new initialize's loss scalers: IndexError."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level="O1", half_dtype=torch.bfloat16, num_losses=2)
+    with scale_loss(_loss(model, 0), optimizer, loss_id=1, delay_unscale=True) as scaled:
+        scaled.backward()
+    other = _model(seed=1)
+    initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level="O1",
+               half_dtype=torch.bfloat16)
+    optimizer.step()  # as before the closer existed

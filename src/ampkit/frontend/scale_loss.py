@@ -163,11 +163,12 @@ class _ScaleLoss:
             for stash in stashes:  # the grads left scaled now carry this scale
                 stash.scaled_in = tag
         if delay_unscale:
-            for opt, stash in zip(self.opts, stashes):  # checked with the call that does not delay
+            # Checked with the call that does not delay, or, if a step() of these
+            # optimizers comes first, by one exit that step runs before it decides.
+            close = _DelayedClose(self.opts, self.loss_id, self.delay_overflow_check, amp)
+            for stash in stashes:
                 stash.pending_found_inf = or_flag(stash.pending_found_inf, found_inf)
-                # or, if step() comes first, by an exit step() runs before it decides
-                stash.before_step[_CLOSE_DELAYED] = functools.partial(
-                    _close_delayed, weakref.ref(opt), self.loss_id)
+                stash.before_step[_CLOSE_DELAYED] = close
             return False
         for stash in stashes:
             if stash.before_step:
@@ -182,32 +183,59 @@ class _ScaleLoss:
         return False
 
 
-_CLOSE_DELAYED = "close delayed"  # the before_step key of _close_delayed
+_CLOSE_DELAYED = "close delayed"  # the before_step key of a _DelayedClose
 
 
-def _close_delayed(optimizer_ref: Any, loss_id: int) -> None:
+class _DelayedClose:
     """``step()`` after ``scale_loss(..., delay_unscale=True)`` with no exit since that does
     not delay (the last micro-batches of an epoch): the gradients are still scaled and
-    their overflow unchecked. An exit without a body does what that call would have done
-    (unscale, check, update loss scaler ``loss_id``, skip this step after an overflow);
-    apex stepped the scaled gradients."""
-    optimizer = optimizer_ref()
-    stash = None if optimizer is None else stash_of(optimizer)
-    amp = _state.get_active()
-    if stash is None or amp is None or not amp.enabled or (
-            stash.delayed_inv is None and stash.pending_found_inf is None):
-        return  # zero_grad() dropped them, or another initialize replaced this one
-    warn_once(("close delayed", type(optimizer).__name__),
-              f"{type(optimizer).__name__}.step() came after scale_loss(..., "
-              "delay_unscale=True) with no scale_loss since that does not delay: its "
-              "gradients were still scaled, so ampkit unscaled and checked them first, as "
-              "that call would have (apex stepped them scaled); end an accumulation with "
-              "delay_unscale=False", RuntimeWarning)
-    scaler = amp.scalers[loss_id] if amp.scaling else None
-    scale = None if scaler is None else scaler.scale_tensor()
-    with scale_loss(torch.zeros((), device=None if scale is None else scale.device),
-                    optimizer, loss_id=loss_id):
-        pass
+    their overflow unchecked. The first step of one of the delayed exit's optimizers runs
+    an exit without a body over those of them still waiting (what that call would have
+    done: unscale, check, update loss scaler ``loss_id`` once, skip their steps after an
+    overflow); apex stepped the scaled gradients."""
+
+    __slots__ = ("optimizers", "loss_id", "delay_overflow_check", "amp")
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], loss_id: int,
+                 delay_overflow_check: bool, amp: _state.ActiveAmp) -> None:
+        self.optimizers = [weakref.ref(opt) for opt in optimizers]
+        self.loss_id, self.delay_overflow_check = loss_id, delay_overflow_check
+        self.amp = weakref.ref(amp)
+
+    def __call__(self) -> None:
+        amp = _state.get_active()
+        if amp is None or amp is not self.amp() or not amp.enabled:
+            return  # another initialize replaced the one that delayed: its settings are gone
+        waiting = []
+        for ref in self.optimizers:
+            optimizer = ref()
+            stash = None if optimizer is None else stash_of(optimizer)
+            if stash is None:
+                continue
+            # The stepping optimizer's callbacks are taken already; a later delayed exit
+            # over another one put its own closer there.
+            current = stash.before_step.get(_CLOSE_DELAYED)
+            if current is not None:
+                if current is not self:
+                    continue
+                del stash.before_step[_CLOSE_DELAYED]  # closed here, for all of them
+            if stash.delayed_inv is not None or stash.pending_found_inf is not None:
+                waiting.append(optimizer)  # (zero_grad() dropped the others' grads)
+        if not waiting:
+            return
+        names = ", ".join(dict.fromkeys(type(opt).__name__ for opt in waiting))
+        warn_once(("close delayed", names),
+                  f"{names}.step() came after scale_loss(..., delay_unscale=True) with no "
+                  "scale_loss since that does not delay: its gradients were still scaled, so "
+                  "ampkit unscaled and checked them first, as that call would have (apex "
+                  "stepped them scaled); end an accumulation with delay_unscale=False",
+                  RuntimeWarning)
+        scaler = amp.scalers[self.loss_id] if amp.scaling else None
+        scale = None if scaler is None else scaler.scale_tensor()
+        with scale_loss(torch.zeros((), device=None if scale is None else scale.device),
+                        waiting, loss_id=self.loss_id,
+                        delay_overflow_check=self.delay_overflow_check):
+            pass
 
 
 def _count_fixed_step(amp: _state.ActiveAmp, loss_id: int, stashes: list[AmpStash]) -> None:
