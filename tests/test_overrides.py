@@ -759,3 +759,34 @@ def test_a_registration_removed_while_overrides_are_put_in_place_does_not_deadlo
     assert proc.stdout.splitlines() == [
         "g torch.float32 ['f'] [] False",  # g removed and not put back; f cast; exit undid f
         "f torch.bfloat16 [] [] False"]  # f removed as it went in: the original runs
+
+def test_a_half_torch_utility_that_runs_the_callers_code_keeps_autocast_inside():
+    """(review) torch.utils.checkpoint.checkpoint was taken for a torch op and ran the
+    caller's layer with autocast off: bf16 input against an fp32 weight raised."""
+    import torch.utils.checkpoint
+
+    ampkit.register_half_function(torch.utils.checkpoint, "checkpoint")
+    layer = nn.Linear(4, 4)
+    with autocast("cpu", dtype=torch.bfloat16):
+        out = torch.utils.checkpoint.checkpoint(layer, torch.randn(2, 4), use_reentrant=False)
+    assert out.dtype is torch.bfloat16
+
+
+def test_out_of_an_op_without_a_derivative_is_written_with_grad_arguments():
+    """(review) out= was refused whenever an argument required grad; torch refuses it
+    only where the result would need autograd."""
+    ampkit.register_promote_function(torch, "eq")
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, dtype=torch.bfloat16)
+    out = torch.empty(3, dtype=torch.bool)
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert torch.eq(a, b, out=out) is out
+    assert torch.equal(out, torch.eq(a.detach(), b.float()))
+
+
+def test_inplace_true_with_the_tensor_given_by_keyword():
+    ampkit.register_half_function(F, "relu")
+    x = torch.randn(8)
+    expected = x.clamp(min=0)
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert F.relu(input=x, inplace=True) is x
+    assert torch.equal(x, expected)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import os
 import threading
 import types
 import warnings
@@ -212,7 +213,8 @@ def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> O
 
 def _casting_wrapper(fn: F, kind: CastKind) -> F:
     in_place = _is_in_place(fn)
-    inplace_at = _inplace_flag_position(fn)  # F.relu(x, inplace=True) writes into x too
+    # F.relu(x, inplace=True) writes into x too (or F.relu(input=x, inplace=True)).
+    inplace_at, target = _inplace_flag(fn)
     # A half Python function of yours (a block, as apex's decorators wrapped) keeps
     # autocast on inside, so fp32 tensors it did not receive (its layers' weights) are
     # cast per op; a torch op (torch's own Python functions too: F.mse_loss), or anything
@@ -234,21 +236,26 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
         if kind is CastKind.HALF:  # a nested torch.autocast(dtype=...) decides, as for ops
             frame = frame._replace(dtype=get_autocast_dtype(frame.device_type))
         out = kwargs.pop("out", None)
-        if out is not None:
-            _check_out(name, out, args, kwargs)
         dtype = _target_dtype(kind, frame, args, kwargs)
         if dtype is not None:
             # An in-place op writes into its own tensor, in that tensor's dtype.
-            into = args and (in_place or (inplace_at is not None and _flag_set(
-                args, kwargs, inplace_at)))
-            rest = _cast(args[1:], dtype) if into else _cast(args, dtype)
-            args, kwargs = (args[:1] + rest) if into else rest, _cast(kwargs, dtype)
+            into = in_place or (inplace_at is not None and _flag_set(args, kwargs, inplace_at))
+            if into and args:
+                args, kwargs = args[:1] + _cast(args[1:], dtype), _cast(kwargs, dtype)
+            elif into and target in kwargs:
+                kept = kwargs.pop(target)
+                args, kwargs = _cast(args, dtype), {**_cast(kwargs, dtype), target: kept}
+            else:
+                args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
         if autocast_inside:
             result = fn(*args, **kwargs)
         else:
             with _TorchAutocast(frame.device_type, enabled=False):
                 result = fn(*args, **kwargs)
-        return result if out is None else _write_out(out, result)
+        if out is None:
+            return result
+        _check_out(name, result)
+        return _write_out(out, result)
 
     wrapper.__ampkit_original__ = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
@@ -260,29 +267,39 @@ def _is_in_place(fn: Callable[..., Any]) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+# The namespaces of torch's ops written in Python (``F.mse_loss``, ``torch.cdist``,
+# ``torch.linalg.*``); not torch.utils (``checkpoint`` runs the caller's code).
+_TORCH_OP_MODULES = frozenset({"torch", "torch.functional", "torch.nn.functional",
+                               "torch._tensor", "torch.linalg", "torch.fft", "torch.special"})
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def _is_torch_op(fn: Callable[..., Any]) -> bool:
-    """A builtin, or one of torch's own Python functions (``F.mse_loss``, ``torch.cdist``)."""
+    """A builtin, or one of torch's own Python ops: a function of an op namespace whose code
+    is torch's (a function of yours wrapped with ``functools.wraps(F.x)`` is not)."""
     if not isinstance(fn, types.FunctionType):
         return True
-    module = getattr(fn, "__module__", None) or ""
-    return module == "torch" or module.startswith("torch.")
+    return (getattr(fn, "__module__", None) in _TORCH_OP_MODULES
+            and fn.__code__.co_filename.startswith(_TORCH_DIR))
 
 
-def _inplace_flag_position(fn: Callable[..., Any]) -> Optional[int]:
+def _inplace_flag(fn: Callable[..., Any]) -> tuple[Optional[int], Optional[str]]:
     """Where ``fn`` takes an ``inplace`` flag (``F.relu(input, inplace=False)``): its
-    positional index, -1 when keyword-only; None without one or without a signature."""
+    positional index (-1 when keyword-only; None without one or without a signature), and
+    the name of the first parameter, the tensor written into."""
     import inspect
 
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # builtins without a text signature
-        return None
+        return None, None
+    first = parameters[0].name if parameters else None
     for index, parameter in enumerate(parameters):
         if parameter.name == "inplace":
             positional = parameter.kind in (parameter.POSITIONAL_ONLY,
                                             parameter.POSITIONAL_OR_KEYWORD)
-            return index if positional else -1
-    return None
+            return (index if positional else -1), first
+    return None, first
 
 
 def _flag_set(args: tuple, kwargs: dict, position: int) -> bool:
@@ -291,9 +308,10 @@ def _flag_set(args: tuple, kwargs: dict, position: int) -> bool:
     return 0 <= position < len(args) and bool(args[position])
 
 
-def _check_out(name: str, out: Any, args: tuple, kwargs: dict) -> None:
-    """torch's refusal of ``out=`` where autograd would need the result, before any work."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors((args, kwargs))):
+def _check_out(name: str, result: Any) -> None:
+    """torch's refusal of ``out=`` where autograd would need the result (a differentiable
+    op on an argument that requires grad), before ``out`` is written."""
+    if any(t.requires_grad for t in iter_tensors(result)):
         raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic "
                            "differentiation, but one of the arguments requires grad.")
 
