@@ -72,7 +72,7 @@ def test_bad_inputs_exit_2_before_training(capsys, monkeypatch, argv, words):
 @pytest.mark.parametrize("function, words", [
     ("frozen", "no parameter of the model requires grad"),
     ("no_params", "has no parameters"),
-    ("wrapped", "wrapped in DataParallel"),
+    ("wrapped", "autotune takes the bare module, got it wrapped in DataParallel"),
     ("empty", "inputs hold no samples"),
 ])
 def test_a_model_autotune_refuses_exits_2_with_one_line(tmp_path, capsys, monkeypatch,

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from ._checks import check_int
-from .apply import check_models
 from ._dtypes import device_policies, iter_tensors
 from ._loss import check_target
 from ._reference import check_fp32_model
@@ -85,7 +84,11 @@ def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optim
 def _check_model(model: nn.Module) -> None:
     """An fp32 model (the reference must be fp32) with parameters to train, not wrapped
     in (Distributed)DataParallel (each candidate's policy is applied to a copy of it)."""
-    check_models(model)
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(f"autotune takes the bare module, got it wrapped in "
+                        f"{type(model).__name__}; valid: a torch.nn.Module not wrapped in "
+                        "DistributedDataParallel/DataParallel (model.module), which autotune "
+                        "trains in one process")
     check_fp32_model(model, "autotune")
     params = dict(model.named_parameters())
     valid = "valid: a model with at least one parameter that requires grad"
