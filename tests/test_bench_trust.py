@@ -322,7 +322,8 @@ def test_every_policy_failing_ends_the_run_with_their_errors(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--threads", "0"], ["--threads", "at least 1"]),
+    (["--threads", "0"], ["--threads", "0", "[1,"]),
+    (["--threads", "100000"], ["--threads", "100000", "[1,"]),  # (it crashed the process)
     (["--max-time", "-1"], ["--max-time", "-1"]),
     (["--max-loss-dev", "-0.1"], ["--max-loss-dev", "valid"]),
     (["--max-loss-dev", "nan"], ["--max-loss-dev", "nan"]),

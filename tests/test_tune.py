@@ -580,9 +580,11 @@ def test_autotune_measures_with_the_threads_bench_chooses(threads, expected):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads, error", [(0, ValueError), (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("threads, error", [(0, ValueError), (1.5, TypeError), (True, TypeError),
+                                            (100_000, ValueError)])
 def test_bad_threads_are_refused_before_training(threads, error):
-    with pytest.raises(error, match=r"threads must be an int >= 1"):
+    """(More threads than the CPU has logical cores crashed torch at 100000.)"""
+    with pytest.raises(error, match=r"threads must be an int in \[1, \d+\]"):
         ampkit.autotune(_model(), *_batch(), threads=threads)
 
 

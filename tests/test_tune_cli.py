@@ -55,6 +55,7 @@ def test_tune_candidates_and_threads(tmp_path, capsys):
     (["--max-loss-dev", "-1"], ["--max-loss-dev", "-1"]),
     (["--max-loss-dev", "inf"], ["--max-loss-dev", "inf"]),
     (["--threads", "0"], ["--threads", "0"]),
+    (["--threads", "100000"], ["--threads", "100000", "[1,"]),
     (["--model", "vgg"], ["'vgg'", "valid: mlp"]),
     (["--steps", "x"], ["'x'", "int"]),
 ])

@@ -316,6 +316,19 @@ def _read_line(path: str) -> Optional[str]:
         return None
 
 
+def max_threads() -> int:
+    """The most intra-op threads a command or autotune takes: the CPU's logical cores
+    (torch.set_num_threads with a hundred thousand crashed the process)."""
+    return os.cpu_count() or 1
+
+
+def check_threads(name: str, value: Any) -> int:
+    """``value`` as a thread count from 1 to :func:`max_threads` (ValueError naming it)."""
+    from ._checks import check_int
+
+    return check_int(name, value, 1, max_threads())
+
+
 def default_threads(device_type: str, params: int) -> tuple[int, str]:
     """The intra-op threads a benchmark uses when none are given, and why."""
     current = torch.get_num_threads()

@@ -10,9 +10,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from ._checks import check_int
 from ._dtypes import device_policies, iter_tensors
 from ._loss import check_target
+from ._measure import check_threads
 from ._reference import check_fp32_model
 from .fp8.config import FP8_POLICY_NAMES, fp8_policy_recipe
 from .policy import Policy, get_policy
@@ -61,7 +61,7 @@ def check_args(model: Any, candidates: Any, max_loss_dev: Any, steps: Any, optim
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
     if threads is not None:
-        check_int("threads", threads, 1)
+        check_threads("threads", threads)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3 (2 warm-up steps, then timed ones), got {steps!r}")
     check_max_loss_dev(max_loss_dev)

@@ -27,7 +27,7 @@ from .._torch_compat import dynamo_reset
 from ..diagnose.flops import FlopCounter, low_precision_share
 from .compare import compare, no_memory_ratios
 from .errors import BenchInterrupted, UsageError
-from .._measure import (MemoryMeter, StepTimer, half_width, num_threads, paired_speedup,
+from .._measure import (MemoryMeter, check_threads, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
 from .policies import PolicySpec, loss_scaling_label
 from .precision import OptimizerFactory, Precision, adam_eps, adamw_factory, train_step
@@ -94,8 +94,11 @@ class BenchSettings:
             raise UsageError(f"--batch-size must be at least 1, got {self.batch_size}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UsageError(f"--lr must be a positive number, got {self.lr}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be at least 1, got {self.threads}")
+        if self.threads is not None:
+            try:
+                check_threads("--threads", self.threads)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
         if not (self.max_time >= 0 and math.isfinite(self.max_time)):
             raise UsageError(f"--max-time must be 0 or more seconds, got {self.max_time}")
         if self.round_steps < 1:

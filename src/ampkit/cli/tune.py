@@ -72,6 +72,7 @@ def check_candidates(text: Optional[str], device: str) -> list[str]:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    from .._measure import check_threads
     from ..tune_args import check_max_loss_dev
 
     if args.steps < 3:
@@ -81,8 +82,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         check_max_loss_dev(args.max_loss_dev, "--max-loss-dev")  # the API's rule
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    if args.threads is not None:
+        try:
+            check_threads("--threads", args.threads)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
