@@ -259,6 +259,13 @@ def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
     (["train", "--data", "cifar10", "--data-dir", "/no/such/dir"], ["'/no/such/dir'", "valid:"]),
     (["train", "--data", "synthetic", "--resume"], ["--resume needs --checkpoint"]),
     (["train", "--data", "synthetic", "--epochs", "0"], ["--epochs", "0"]),
+    # one file for two outputs: the JSON log replaced the checkpoint, the plot the JSON
+    (["train", "--data", "synthetic", "--json", "/tmp/ampkit-same.pt", "--checkpoint",
+      "/tmp/ampkit-same.pt"], ["--checkpoint and --json name the same file", "valid:"]),
+    (["train", "--data", "synthetic", "--json", "/tmp/ampkit-same.pt", "--checkpoint",
+      "/tmp/../tmp/ampkit-same.pt", "--resume"], ["name the same file"]),
+    (["bench", "--model", "mlp", "--json", "/tmp/ampkit-same.png", "--plot",
+      "/tmp/ampkit-same.png"], ["--plot and --json name the same file"]),
 ])
 def test_bad_values_exit_2_with_one_line(capsys, argv, words):
     line = usage_error(capsys, *argv, "--quiet")

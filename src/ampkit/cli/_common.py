@@ -108,6 +108,21 @@ def check_output_paths(**paths: Optional[str]) -> None:
         except OSError as err:
             raise UsageError(f"--{flag} {path!r} cannot be written ({err.strerror or err}); "
                              "valid: a file path in a folder you can write to") from None
+    check_distinct(**paths)
+
+
+def check_distinct(**paths: Optional[str]) -> None:
+    """Refuse two outputs (or a checkpoint) naming one file: the later write replaced the
+    earlier (a JSON log over a checkpoint, a plot over the JSON)."""
+    seen: dict[str, str] = {}
+    for flag, path in paths.items():
+        if not path or path == "-":
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise UsageError(f"--{flag} and --{seen[key]} name the same file {path!r}; valid: "
+                             "a different path for each")
+        seen[key] = flag
 
 
 def add_common(p: argparse.ArgumentParser, models: str, model_default: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .._dtypes import recommend_policy
-from ._common import UsageError, add_common, check_device, check_output_paths
+from ._common import UsageError, add_common, check_device, check_distinct, check_output_paths
 
 if TYPE_CHECKING:
     from ..bench.parallel import ParallelPlan
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if plan is None:
         _check_not_parallel_checkpoint(args.checkpoint)
     check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
+    check_distinct(json=args.json, checkpoint=args.checkpoint)  # (also one being resumed)
     if plan is None and args.checkpoint and not args.resume:
         from ..bench.checkpoint_file import check_replaceable
 
