@@ -242,3 +242,17 @@ def test_a_policy_name_is_resolved_on_the_device_the_checkpoint_was_written_on()
         check_resume_settings(saved, settings)
     check_resume_settings({**saved, "policy": "O2-fp16"}, TrainSettings(
         **{**SETTINGS.__dict__, "policy": "O2", "device": "cuda"}))  # the same on CUDA
+
+
+def test_a_user_model_that_is_not_fp32_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """train stepped a .half() model under "bf16-mixed", reported loss nan and exited 0;
+    bench refused the same model."""
+    (tmp_path / "halfmodels.py").write_text(
+        "from torch import nn\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).half()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", "--data", "synthetic", "--model", "halfmodels:make", "--epochs", "1",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parameter '1.weight' is torch.float16" in err[0]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from .._reference import check_fp32_model
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import DATASETS, Dataset, load_data
 from .policies import PolicySpec, loss_scaling_label, parse_policy
@@ -118,6 +119,10 @@ def _user_classifier(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise UsageError(f"model {spec!r} returned {type(result).__name__}; expected a "
                             "torch.nn.Module (or a tuple whose first item is one)")
+    try:  # the policy casts an fp32 model, as bench's user models must be
+        check_fp32_model(model, "ampkit train")
+    except ValueError as err:
+        raise UsageError(f"model {spec!r} returned a model whose {err}") from None
     return model
 
 
