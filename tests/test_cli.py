@@ -358,6 +358,15 @@ def test_policy_list_splits_explicit_policies_and_resolves_opt_levels():
         parse_policy_list(",", "cpu")
 
 
+def test_a_policy_named_twice_runs_once_under_its_first_name():
+    """Two rows of one policy: the recommendation rule picked one, the sentence quoted the
+    other's figures (a policy 0.37x the speed of fp32 "the fastest"), and "fp32" after
+    "32-true" could be recommended over itself."""
+    specs = parse_policy_list("32-true,bf16-mixed,fp32,bf16-mixed,O2,O2-bf16,fp8,fp8-tensorwise",
+                              "cpu")
+    assert [s.label for s in specs] == ["32-true", "bf16-mixed", "O2", "fp8"]
+
+
 def test_loss_scaling_and_adam_eps_follow_the_policy():
     # One rule, the policy's (initialize applies the same): the apex opt levels are dynamic
     # in either half dtype, bf16-mixed and the fp32 policies do not scale.

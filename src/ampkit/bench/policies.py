@@ -119,12 +119,17 @@ def parse_policy_list(text: str, device_type: str) -> list[PolicySpec]:
     Example:
         >>> [s.label for s in parse_policy_list("32-true,p=f32,c=bf16,fp8", "cpu")]
         ['32-true', 'p=f32,c=bf16', 'fp8']
+        >>> [s.label for s in parse_policy_list("32-true,bf16-mixed,fp32,bf16-mixed", "cpu")]
+        ['32-true', 'bf16-mixed']
     """
     names = [name for item in split_policy_list(text) for name in _expand(item, device_type)]
     specs = [parse_policy(name, device_type, in_list=True) for name in names]
     if not specs:
         raise UsageError(f"no policy given in {text!r}; valid: {valid_policies()}")
-    return specs
+    # A policy named twice ("bf16-mixed" again, "fp32" after "32-true") runs once, under
+    # its first name: two rows of one policy made the recommendation quote the wrong one.
+    distinct = {(spec.policy, spec.fp8_recipe): spec for spec in reversed(specs)}
+    return [spec for spec in specs if distinct[(spec.policy, spec.fp8_recipe)] is spec]
 
 
 def split_policy_list(text: str) -> list[str]:

@@ -32,7 +32,7 @@ Policies: 32-true/fp32, 16-mixed, bf16-mixed, 16-true, bf16-true, O0-O3 (half dt
 the device's autocast default, or a suffix: O2-bf16, O1-fp16), fp8 (fp8-tensorwise,
 fp8-delayed, fp8-rowwise: Linear layers in fp8 under bf16 autocast), or explicit
 "p=f32,c=bf16,o=f32", or auto (the policies the device runs natively, as autotune's
-candidates). Default: 32-true,bf16-mixed,O2 on a CPU; 32-true,16-mixed,bf16-mixed,O2
+candidates); a policy named twice (or by another name) runs once. Default: 32-true,bf16-mixed,O2 on a CPU; 32-true,16-mixed,bf16-mixed,O2
 (+fp8 where supported) on CUDA.
 
 Reading the table: ms/step is the median over the timed steps; speedup is the median
