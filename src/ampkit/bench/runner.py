@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,7 @@ from .._torch_compat import dynamo_reset
 from ..diagnose.flops import FlopCounter, low_precision_share
 from .compare import compare, no_memory_ratios
 from .errors import BenchInterrupted, UsageError
+from .._rng import RngReplay
 from .._measure import (MemoryMeter, check_threads, StepTimer, half_width, num_threads, paired_speedup,
                       percentile, synchronize, STABLE_HALF_WIDTH)
 from .policies import PolicySpec, loss_scaling_label
@@ -146,11 +147,26 @@ class PolicyRun:
             self.model, self.optimizer, self.precision = build(spec, settings, self.workload,
                                                                self.device, setup)
             self.batches = self.workload.batches(self.device)
+        # Its own random stream from the same start as every policy's (dropout draws the
+        # same masks as in a process of its own): policies taking turns in one process drew
+        # from one generator, and dropout looked like a loss difference between them.
+        self.rng = RngReplay(self.device)
         self.losses: list[Tensor] = []  # on the device until the end: no host sync per step
         self.times: list[float] = []
         self.round_ms: list[float] = []
         self.warmup_ms: Optional[float] = None
         self.flops: Optional[dict[str, int]] = None
+
+    @contextlib.contextmanager
+    def _own_rng(self) -> Iterator[None]:
+        """This run's random stream in place of the process's, for a stretch of steps."""
+        outside = RngReplay(self.device)
+        self.rng.rewind()
+        try:
+            yield
+        finally:
+            self.rng.mark()
+            outside.rewind()
 
     def _step(self) -> None:
         inputs, targets = self.batches[len(self.losses) % len(self.batches)]
@@ -165,7 +181,7 @@ class PolicyRun:
         """
         if not self.settings.warmup:
             return
-        with self.memory.track():
+        with self.memory.track(), self._own_rng():
             synchronize(self.device)
             start = time.perf_counter()
             for i in range(self.settings.warmup):
@@ -181,7 +197,7 @@ class PolicyRun:
     def run(self, steps: int) -> list[float]:
         """``steps`` timed steps (one round); their times in ms."""
         timer = StepTimer(self.device, steps)
-        with self.memory.track():
+        with self.memory.track(), self._own_rng():
             for i in range(steps):
                 timer.start(i)
                 self._step()
