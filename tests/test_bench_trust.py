@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -100,8 +101,12 @@ def test_more_rounds_only_while_unstable_and_within_the_limits():
     assert play_rounds(steady, BenchSettings(steps=12, max_time=60), [lambda d, t: None] * 3) == 6
     assert stable(steady)
     noisy = _runs([], noisy=True)
-    played = play_rounds(noisy, BenchSettings(steps=12, max_time=60), [lambda d, t: None] * 3)
-    assert played == 30 and not stable(noisy)  # stopped at 5x --steps, not at the budget
+    start = time.perf_counter()
+    played = play_rounds(noisy, BenchSettings(steps=12, max_time=30), [lambda d, t: None] * 3)
+    # Bounded by stability and the budget alone: a cap of 5x --steps (30 rounds) stopped
+    # fast steps after a fraction of the budget, still unstable, and the verdict then
+    # advised a larger budget. These reach ±5% after 42 rounds.
+    assert played == 42 and stable(noisy) and time.perf_counter() - start < 10
     assert play_rounds(_runs([], noisy=True), BenchSettings(steps=12, max_time=0),
                        [lambda d, t: None] * 3) == 6  # no budget: exactly --steps
 
