@@ -432,7 +432,10 @@ def test_resume_refuses_fewer_epochs_than_done_and_a_foreign_file(tmp_path):
 @pytest.mark.parametrize("argv, policy", [
     (["--policy", "bf16-mixed"], "with bf16-mixed on cpu"),  # was "bf16-mixed (bf16-mixed)"
     (["--opt-level", "O2"], "with O2 (p=bf16,c=bf16,o=f32,autocast=0,master=1,bn=1,"
-                            "scale=dynamic) on cpu")])
+                            "scale=dynamic) on cpu"),
+    # was "fp8-delayed (bf16-mixed)", naming no fp8
+    (["--policy", "fp8-delayed"], "with fp8-delayed (fp8-delayed Linear layers under "
+                                  "bf16-mixed) on cpu")])
 def test_train_header_names_the_resolved_policy_only_where_it_differs(capsys, argv, policy):
     assert main(["train", "--data", "synthetic", "--epochs", "1", "--batch-size", "256", "--quiet",
                  *argv]) == 0

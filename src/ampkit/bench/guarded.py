@@ -28,7 +28,7 @@ def failed(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def error_row(spec: PolicySpec, err: BaseException) -> dict[str, Any]:
     message = " ".join(str(err).split())
-    return {"policy": spec.label, "resolved": str(spec.policy),
+    return {"policy": spec.label, "resolved": spec.resolved,
             "error": f"{type(err).__name__}: {message}"[:2000],
             "traceback": traceback.format_exc(limit=-8)}
 

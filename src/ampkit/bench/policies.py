@@ -53,6 +53,18 @@ class PolicySpec:
     fp8_recipe: Optional[str] = None
 
     @property
+    def resolved(self) -> str:
+        """What runs, in words: the policy, and the fp8 recipe of its Linear layers.
+
+        Example:
+            >>> parse_policy("fp8-delayed", "cpu").resolved
+            'fp8-delayed Linear layers under bf16-mixed'
+        """
+        if self.fp8_recipe is None:
+            return str(self.policy)
+        return f"fp8-{self.fp8_recipe} Linear layers under {self.policy}"
+
+    @property
     def is_fp32(self) -> bool:
         """True for a pure-fp32 policy (32-true, O0, p=f32): the reference of the rule."""
         p = self.policy

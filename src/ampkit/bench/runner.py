@@ -378,7 +378,7 @@ def summarise(spec: PolicySpec, settings: BenchSettings, workload: Workload,
     half = spec.policy.half_dtype
     stats = precision.scaler.stats() if precision.scaler.is_enabled() else None
     return {
-        "policy": spec.label, "resolved": str(spec.policy), "pure_fp32": spec.is_fp32,
+        "policy": spec.label, "resolved": spec.resolved, "pure_fp32": spec.is_fp32,
         "half_dtype": None if half is None else str(half).replace("torch.", ""),
         "fp8_recipe": spec.fp8_recipe, "fp8_layers": precision.fp8_layers,
         "loss_scaling": loss_scaling_label(spec.policy),

@@ -375,7 +375,7 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
 def train_log(trainer: Trainer, data: Dataset, resumed_from: Optional[int]) -> dict[str, Any]:
     """The log of a finished run (what :func:`train` returns)."""
     settings = trainer.settings
-    return {"settings": asdict(settings), "resolved_policy": str(trainer.spec.policy),
+    return {"settings": asdict(settings), "resolved_policy": trainer.spec.resolved,
             "adam_eps": adam_eps(trainer.spec.policy),
             "loss_scaling": loss_scaling_label(trainer.spec.policy),
             "data": data.describe(), "resumed_from_epoch": resumed_from,

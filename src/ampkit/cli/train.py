@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = f", {plan.nproc} rank{'s' if plan.nproc != 1 else ''} (DDP, {plan.backend})" \
         if plan else ""
     # The policy a name resolved to, where it says more than the name ("O2" on a CPU).
-    resolved = "" if str(spec.policy) == policy else f" ({spec.policy})"
+    resolved = "" if spec.resolved == policy else f" ({spec.resolved})"
     header = (f"ampkit train: {settings.model} on {settings.data} with {policy}{resolved} "
               f"on {device}{ranks}")
 
