@@ -270,7 +270,8 @@ def _is_in_place(fn: Callable[..., Any]) -> bool:
 # The namespaces of torch's ops written in Python (``F.mse_loss``, ``torch.cdist``,
 # ``torch.linalg.*``); not torch.utils (``checkpoint`` runs the caller's code).
 _TORCH_OP_MODULES = frozenset({"torch", "torch.functional", "torch.nn.functional",
-                               "torch._tensor", "torch.linalg", "torch.fft", "torch.special"})
+                               torch.Tensor.__module__,  # Tensor's Python methods
+                               "torch.linalg", "torch.fft", "torch.special"})
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
