@@ -387,3 +387,18 @@ def test_scale_loss_refuses_an_optimizer_listed_twice_before_the_backward():
                                          r"each optimizer once"):
         with amp.scale_loss(_loss(model), [opt, opt]):
             pass
+
+
+def test_a_dynamic_runs_scale_loaded_into_a_fixed_scale_run_warns():
+    """(probe) An O2 checkpoint's 65536 loaded into O3 made every step scale by it with no
+    overflow check, silently; it still loads, as in apex, but says so."""
+    _init("O3", F16)
+    with pytest.warns(UserWarning, match=r"sets the loss scale to 65536, where this run's is "
+                                         r"fixed at 1 and checks no overflow"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 3}})
+    assert amp._amp_state.loss_scalers[0]._loss_scale == 65536.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(amp.state_dict())  # its own scale: nothing to say
+        _init("O2", F16)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}})

@@ -84,7 +84,16 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     full = [_scaler_state(key, state[key], scaler) for key, scaler in pairs]
     for (_, scaler), entry in zip(pairs, full):
         scaler.check_state_dict(entry)  # validates: every entry before any scaler changes
-    for i, ((_, scaler), entry) in enumerate(zip(pairs, full)):
+    for i, ((key, scaler), entry) in enumerate(zip(pairs, full)):
+        if not amp.dynamic and float(entry["scale"]) != scaler.get_scale():
+            # apex loaded it as well; a scale a dynamic run wrote (O1/O2's 65536) then
+            # scales every step of this one, with no overflow check to catch what it flushes.
+            warnings.warn(f"amp state_dict[{key!r}] sets the loss scale to "
+                          f"{float(entry['scale']):g}, where this run's is fixed at "
+                          f"{scaler.get_scale():g} and checks no overflow (a fixed scale or "
+                          "O0/O3): loading it as apex did. If the checkpoint comes from a "
+                          "dynamic run (O1/O2), pass this run's own amp state or none",
+                          stacklevel=2)
         scaler.load_state_dict(entry)
         _note_scale(amp, scaler.get_scale())
         if amp.fixed_unskipped:
