@@ -150,6 +150,7 @@ class PolicyRun:
         # from one generator, and dropout looked like a loss difference between them.
         self.rng = RngReplay(self.device)
         self.losses: list[Tensor] = []  # on the device until the end: no host sync per step
+        self.steps_done = 0
         self.times: list[float] = []
         self.round_ms: list[float] = []
         self.warmup_ms: Optional[float] = None
@@ -167,9 +168,14 @@ class PolicyRun:
             outside.rewind()
 
     def _step(self) -> None:
-        inputs, targets = self.batches[len(self.losses) % len(self.batches)]
-        self.losses.append(train_step(self.model, inputs, targets, self.workload.loss_fn,
-                                      self.optimizer, self.precision))
+        inputs, targets = self.batches[self.steps_done % len(self.batches)]
+        loss = train_step(self.model, inputs, targets, self.workload.loss_fn, self.optimizer,
+                          self.precision)
+        self.steps_done += 1
+        # Only the losses summarise compares (the first warmup + steps): rounds added while
+        # the timings settle would keep one device tensor per step.
+        if len(self.losses) < self.settings.warmup + self.settings.steps:
+            self.losses.append(loss)
 
     def warm_up(self) -> None:
         """The untimed steps, timed together (compilation, lazy initialisation).
