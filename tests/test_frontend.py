@@ -1636,14 +1636,30 @@ def test_one_delayed_exit_over_two_optimizers_is_closed_once(overflow):
     assert all(torch.equal(x, y) for x, y in zip(got[1] + got[2], expected[1] + expected[2]))
 
 
-def test_a_delayed_exit_of_a_replaced_initialize_leaves_the_step_alone():
-    """(review) The closer indexed the new initialize's loss scalers: IndexError."""
+def _delayed_then_step(replace: bool, overflow: bool) -> list[torch.Tensor]:
+    _state.set_active(None)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    initialize(model, optimizer, opt_level="O1", half_dtype=torch.bfloat16, num_losses=2)
-    with scale_loss(_loss(model, 0), optimizer, loss_id=1, delay_unscale=True) as scaled:
+    initialize(model, optimizer, opt_level="O1", half_dtype=torch.float16, num_losses=2)
+    loss = _loss(model, 0) * (float("inf") if overflow else 1.0)
+    with scale_loss(loss, optimizer, loss_id=1, delay_unscale=True) as scaled:
         scaled.backward()
-    other = _model(seed=1)
-    initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level="O1",
-               half_dtype=torch.bfloat16)
-    optimizer.step()  # as before the closer existed
+    if replace:
+        other = _model(seed=1)
+        initialize(other, torch.optim.SGD(other.parameters(), lr=0.1), opt_level="O1",
+                   half_dtype=torch.bfloat16)
+    optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
+def test_a_delayed_exit_of_a_replaced_initialize_is_closed_by_its_own(overflow):
+    """(review) The closer indexed the new initialize's loss scalers (IndexError), and then,
+    skipped for a replaced initialize, stepped the still-scaled grads (65536x; inf after an
+    overflow). It closes with the initialize that delayed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _delayed_then_step(False, overflow)
+        got = _delayed_then_step(True, overflow)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.isfinite(p).all() for p in got)

@@ -1,3 +1,4 @@
+import math
 """master.py: fp32 masters for half params, grads model->master, params master->model."""
 
 import pytest
@@ -650,3 +651,24 @@ def test_zero_grad_keeping_zeros_makes_none_for_a_frozen_layer_or_a_group_added_
     optimizer.zero_grad(set_to_none=False)
     assert torch.equal(model.a.weight.grad, torch.zeros_like(model.a.weight))
     assert model.b.weight.grad is None and head.weight.grad is None
+
+
+def test_zero_grad_keeping_zeros_after_a_skipped_step_still_steps_an_unreached_param():
+    """(review) The skip's own drop of the grads forgot which ones the moves had freed:
+    after an overflow, a param the next backward did not reach was not stepped."""
+    import ampkit
+
+    model = _TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    model, optimizer = ampkit.initialize(model, optimizer, opt_level="O2",
+                                         half_dtype=torch.float16, verbosity=0)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=False)
+        if step == 2:
+            assert torch.equal(model.b.weight.grad, torch.zeros_like(model.b.weight))
+            before = master_of(model.b.weight).detach().clone()
+        loss = model(torch.randn(5, 8), use_b=step < 2).float().pow(2).mean()
+        with ampkit.scale_loss(loss * (math.inf if step == 1 else 1.0), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    assert not torch.equal(master_of(model.b.weight), before)  # momentum moved it

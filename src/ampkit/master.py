@@ -307,6 +307,14 @@ class MasterWeights:
         return all(p.grad is grad and tensor_version(grad) == version
                    for p, grad, version in mirror)
 
+    def freed(self) -> tuple[int, set[int]]:
+        """Which half grads moves freed (see :meth:`zero_model_grads`), to put back."""
+        return self._freed_upto, set(self._freed)
+
+    def refreed(self, freed: tuple[int, set[int]]) -> None:
+        """Put back what :meth:`freed` returned (a skipped step drops the grads, not them)."""
+        self._freed_upto, self._freed = freed
+
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         """The optimizer's ``zero_grad`` on the model's half params.
 

@@ -285,7 +285,11 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
     scheduler's wrapper (which ran first) is concerned: a skipped first step warns
     "lr_scheduler.step() before optimizer.step()", as it did under apex (it swapped in a
     step the wrapper never saw) and torch's GradScaler."""
+    masters = master_weights_of(optimizer)
+    freed = None if masters is None else masters.freed()
     optimizer.zero_grad(set_to_none=True)
+    if freed is not None:  # a user's zero_grad(set_to_none=False) zeroes them as after a step
+        masters.refreed(freed)
     if getattr(optimizer, LR_SCHEDULER_STEP_CALLED, None) is True:
         setattr(optimizer, LR_SCHEDULER_STEP_CALLED, False)
 

@@ -75,12 +75,14 @@ class _ScaleLoss:
                  "amp", "opts", "stashes", "held", "body_scale", "several")
 
     def __init__(self, loss: Tensor, optimizers: OptimizerArg, loss_id: int,
-                 delay_unscale: bool, delay_overflow_check: bool) -> None:
+                 delay_unscale: bool, delay_overflow_check: bool,
+                 amp: Optional[_state.ActiveAmp] = None) -> None:
         self.loss, self.optimizers, self.loss_id = loss, optimizers, loss_id
         self.delay_unscale, self.delay_overflow_check = delay_unscale, delay_overflow_check
+        self.amp = amp  # the active initialize's, unless given (a _DelayedClose's own)
 
     def __enter__(self) -> Tensor:
-        amp = self.amp = _state.get_active() or require_initialized()
+        amp = self.amp = self.amp or _state.get_active() or require_initialized()
         loss, loss_id = self.loss, self.loss_id
         self.loss = None  # neither the loss nor its graph outlives the body through this object
         self.held = None
@@ -203,9 +205,9 @@ class _DelayedClose:
         self.amp = weakref.ref(amp)
 
     def __call__(self) -> None:
-        amp = _state.get_active()
-        if amp is None or amp is not self.amp() or not amp.enabled:
-            return  # another initialize replaced the one that delayed: its settings are gone
+        amp = self.amp()  # the initialize that delayed (a later one may have replaced it)
+        if amp is None or not amp.enabled:
+            return
         waiting = []
         for ref in self.optimizers:
             optimizer = ref()
@@ -232,9 +234,8 @@ class _DelayedClose:
                   RuntimeWarning)
         scaler = amp.scalers[self.loss_id] if amp.scaling else None
         scale = None if scaler is None else scaler.scale_tensor()
-        with scale_loss(torch.zeros((), device=None if scale is None else scale.device),
-                        waiting, loss_id=self.loss_id,
-                        delay_overflow_check=self.delay_overflow_check):
+        with _ScaleLoss(torch.zeros((), device=None if scale is None else scale.device),
+                        waiting, self.loss_id, False, self.delay_overflow_check, amp):
             pass
 
 
