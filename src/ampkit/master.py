@@ -159,6 +159,7 @@ class MasterWeights:
         # every param with a grad: no set built per step), and ``_freed`` by id.
         self._freed_upto = 0
         self._freed: set[int] = set()
+        self._full_count = 0  # the params the full plan covers
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -223,9 +224,10 @@ class MasterWeights:
                 if resized is not None:
                     raise ValueError(resized)
                 self._full_plan = _plan(params, masters)
+                self._full_count = len(params)
             plan = self._full_plan
             if not keep:
-                self._freed_upto = len(params)
+                self._freed_upto = self._full_count
         else:
             masters = [master for _, master in pending]
             if not keep:

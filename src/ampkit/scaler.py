@@ -93,7 +93,9 @@ def check_floor(scaler: "GradScaler", overflow: Optional[bool]) -> None:
         return
     scaler._host_overflow_streak = scaler._host_overflow_streak + 1 if overflow else 0
     if overflow is None:
-        _check_floor_on_device(scaler)
+        scaler._device_updates += 1
+        if not scaler._device_updates % _FLOOR_CHECK_STREAK:
+            _check_floor_on_device(scaler)
         return
     if scaler._host_overflow_streak % _FLOOR_CHECK_STREAK or not scaler._host_overflow_streak:
         return
@@ -105,9 +107,6 @@ def _check_floor_on_device(scaler: "GradScaler") -> None:
     without a host sync: on every 16th such update the run of overflows and the scale are
     copied to the host, and read once there (at once on a CPU; on a GPU at the next check).
     """
-    scaler._device_updates += 1
-    if scaler._device_updates % _FLOOR_CHECK_STREAK:
-        return
     note = scaler._floor_note
     if note is not None:
         if not note.arrived():
