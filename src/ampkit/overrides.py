@@ -26,10 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import os
 import threading
-import types
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple, Optional, TypeVar
 
@@ -37,6 +34,7 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast  # not torch.autocast: see autocast.py
 
 from ._checks import callable_choices
+from ._op_calls import check_out, flag_set, inplace_flag, is_in_place, is_torch_op, write_out
 from ._dtypes import cast_tree, iter_tensors
 from ._torch_compat import get_autocast_dtype, graph_break, is_autocast_enabled, is_compiling
 
@@ -212,15 +210,15 @@ def _target_dtype(kind: CastKind, frame: _Frame, args: tuple, kwargs: dict) -> O
 
 
 def _casting_wrapper(fn: F, kind: CastKind) -> F:
-    in_place = _is_in_place(fn)
+    in_place = is_in_place(fn)
     # F.relu(x, inplace=True) writes into x too (or F.relu(input=x, inplace=True)).
-    inplace_at, target = _inplace_flag(fn)
+    inplace_at, target = inplace_flag(fn)
     # A half Python function of yours (a block, as apex's decorators wrapped) keeps
     # autocast on inside, so fp32 tensors it did not receive (its layers' weights) are
     # cast per op; a torch op (torch's own Python functions too: F.mse_loss), or anything
     # run in fp32 or promoted, runs with autocast off, so torch's own per-op cast cannot
     # undo the override.
-    autocast_inside = kind is CastKind.HALF and not _is_torch_op(fn)
+    autocast_inside = kind is CastKind.HALF and not is_torch_op(fn)
     name = getattr(fn, "__name__", "function")
 
     @functools.wraps(fn)
@@ -239,7 +237,7 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
         dtype = _target_dtype(kind, frame, args, kwargs)
         if dtype is not None:
             # An in-place op writes into its own tensor, in that tensor's dtype.
-            into = in_place or (inplace_at is not None and _flag_set(args, kwargs, inplace_at))
+            into = in_place or (inplace_at is not None and flag_set(args, kwargs, inplace_at))
             if into and args:
                 args, kwargs = args[:1] + _cast(args[1:], dtype), _cast(kwargs, dtype)
             elif into and target in kwargs:
@@ -254,92 +252,11 @@ def _casting_wrapper(fn: F, kind: CastKind) -> F:
                 result = fn(*args, **kwargs)
         if out is None:
             return result
-        _check_out(name, result)
-        return _write_out(out, result)
+        check_out(name, result)
+        return write_out(out, result)
 
     wrapper.__ampkit_original__ = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
-
-
-def _is_in_place(fn: Callable[..., Any]) -> bool:
-    """torch's naming: ``add_`` writes into its tensor (``__iadd__``'s kind is not covered)."""
-    name = getattr(fn, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
-
-
-# The namespaces of torch's ops written in Python (``F.mse_loss``, ``torch.cdist``,
-# ``torch.linalg.*``); not torch.utils (``checkpoint`` runs the caller's code).
-_TORCH_OP_MODULES = frozenset({"torch", "torch.functional", "torch.nn.functional",
-                               torch.Tensor.__module__,  # Tensor's Python methods
-                               "torch.linalg", "torch.fft", "torch.special"})
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _is_torch_op(fn: Callable[..., Any]) -> bool:
-    """A builtin, or one of torch's own Python ops: a function of an op namespace whose code
-    is torch's (a function of yours wrapped with ``functools.wraps(F.x)`` is not)."""
-    if not isinstance(fn, types.FunctionType):
-        return True
-    return (getattr(fn, "__module__", None) in _TORCH_OP_MODULES
-            and fn.__code__.co_filename.startswith(_TORCH_DIR))
-
-
-def _inplace_flag(fn: Callable[..., Any]) -> tuple[Optional[int], Optional[str]]:
-    """Where ``fn`` takes an ``inplace`` flag (``F.relu(input, inplace=False)``): its
-    positional index (-1 when keyword-only; None without one or without a signature), and
-    the name of the first parameter, the tensor written into."""
-    import inspect
-
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins without a text signature
-        return None, None
-    first = parameters[0].name if parameters else None
-    for index, parameter in enumerate(parameters):
-        if parameter.name == "inplace":
-            positional = parameter.kind in (parameter.POSITIONAL_ONLY,
-                                            parameter.POSITIONAL_OR_KEYWORD)
-            return (index if positional else -1), first
-    return None, first
-
-
-def _flag_set(args: tuple, kwargs: dict, position: int) -> bool:
-    if "inplace" in kwargs:
-        return bool(kwargs["inplace"])
-    return 0 <= position < len(args) and bool(args[position])
-
-
-def _check_out(name: str, result: Any) -> None:
-    """torch's refusal of ``out=`` where autograd would need the result (a differentiable
-    op on an argument that requires grad), before ``out`` is written."""
-    if any(t.requires_grad for t in iter_tensors(result)):
-        raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic "
-                           "differentiation, but one of the arguments requires grad.")
-
-
-def _write_out(out: Any, result: Any) -> Any:
-    """What ``out=`` promised: the result written into the caller's tensor(s), resized as
-    torch resizes an ``out=`` tensor (silently when it is empty, else with its warning)."""
-    with torch.no_grad():
-        if isinstance(out, torch.Tensor):
-            return _resized(out, result).copy_(result)
-        for target, value in zip(out, result):
-            _resized(target, value).copy_(value)
-    return out
-
-
-def _resized(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    if out.shape != result.shape:
-        if out.numel() != 0:
-            warnings.warn(
-                f"An output with one or more elements was resized since it had shape "
-                f"{list(out.shape)}, which does not match the required output shape "
-                f"{list(result.shape)}. This behavior is deprecated, and in a future PyTorch "
-                "release outputs will not be resized unless they have zero elements. You can "
-                "explicitly reuse an out tensor t by resizing it, inplace, to zero elements "
-                "with t.resize_(0).", UserWarning, stacklevel=4)
-        out.resize_(result.shape)
-    return out
 
 
 # --- registration -----------------------------------------------------------------------
