@@ -34,7 +34,7 @@ from ._dtypes import HALF_DTYPES
 from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
                             optimizer_step_function, register_optimizer_step_pre_hook)
-from ._warn import warn_once
+from ._fp16_eps import warn_if_eps_vanishes
 from .master import MASTER_MARK, ONE_MASTER_RULE, MasterWeights, owner_of
 
 ATTR = "_amp_stash"
@@ -148,7 +148,7 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         _refuse_orphans_once()
     else:
         _recast_state(optimizer)
-        _warn_if_eps_vanishes(optimizer, optimizer.param_groups)
+        warn_if_eps_vanishes(optimizer, optimizer.param_groups)
     setattr(optimizer, ATTR, stash)
     # Bound methods (not plain functions), as LRScheduler re-wraps ``step.__func__``.
     optimizer.step = types.MethodType(_step_for(optimizer.step), optimizer)  # type: ignore[method-assign]
@@ -172,36 +172,6 @@ def _step_for(current: Any) -> Callable[..., Any]:
 
     setattr(step, LR_SCHEDULER_MARK, True)
     return step
-
-
-def _warn_if_eps_vanishes(optimizer: torch.optim.Optimizer, groups: list[dict]) -> None:
-    """Warn where the optimizer steps fp16 params of ``groups`` itself with an ``eps``
-    fp16 rounds to 0 (checked at initialize and for each group added later).
-
-    Adam's (and RMSprop's, Adagrad's) state is then fp16 too, and its for-loop and
-    foreach steps compute in fp16: the square of a gradient below about 5e-3 underflows
-    to a zero second moment, and the update divides by ``sqrt(0) + 0``: inf or NaN
-    reaches the weight at the first step, which no loss scale can catch (apex's O3 did
-    the same; torch's default eps, 1e-8, is below fp16's smallest subnormal). A fused Adam
-    or AdamW step computes in fp32 and is spared; fused Adagrad (a CPU kernel) is not.
-    """
-    spared = not isinstance(optimizer, torch.optim.Adagrad)  # (its fused groups)
-    for group in groups:
-        eps = group.get("eps")
-        if (not (group.get("fused") and spared) and isinstance(eps, (int, float))
-                and not isinstance(eps, bool) and eps > 0
-                and float(torch.tensor(eps, dtype=torch.float16)) == 0
-                and any(p.dtype == torch.float16 for p in group["params"])):
-            name = type(optimizer).__name__
-            warn_once(("fp16 eps", name, eps),
-                      f"{name} steps fp16 parameters itself (no fp32 master weights) with "
-                      f"eps={eps:g}, which rounds to 0 in fp16: wherever a gradient's square "
-                      "underflows (gradients below about 5e-3) its update divides by zero, and "
-                      "inf or NaN reaches the weights at the first step. Use eps=1e-4 (ampkit "
-                      "bench's choice for fp16 AdamW), a fused Adam or AdamW (fused=True: it "
-                      "computes in fp32; fused Adagrad does not), or opt_level='O2' for fp32 "
-                      "masters")
-            return
 
 
 def attach_master_weights(optimizer: torch.optim.Optimizer) -> MasterWeights:
@@ -396,7 +366,7 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
     masters = stash.masters
     if masters is None:
         stash.inner_add_param_group(group)
-        _warn_if_eps_vanishes(self, self.param_groups[-1:])  # torch filled in the defaults
+        warn_if_eps_vanishes(self, self.param_groups[-1:])  # torch filled in the defaults
         return
     # torch validates the group (duplicates, non-leaf tensors, ...) and adds it first;
     # only then are its half params swapped for masters, so a refused group changes nothing.
