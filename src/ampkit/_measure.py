@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ._checks import check_int
 from ._torch_compat import EagerDispatchMode
 
 CONFIDENCE = 0.95
@@ -328,8 +329,6 @@ def max_threads() -> int:
 
 def check_threads(name: str, value: Any) -> int:
     """``value`` as a thread count from 1 to :func:`max_threads` (ValueError naming it)."""
-    from ._checks import check_int
-
     return check_int(name, value, 1, max_threads())
 
 

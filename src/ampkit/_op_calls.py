@@ -7,6 +7,7 @@ Read by ``overrides._casting_wrapper``, once per registration (the signatures) a
 
 from __future__ import annotations
 
+import inspect
 import os
 import types
 import warnings
@@ -44,8 +45,6 @@ def inplace_flag(fn: Callable[..., Any]) -> tuple[Optional[int], Optional[str]]:
     """Where ``fn`` takes an ``inplace`` flag (``F.relu(input, inplace=False)``): its
     positional index (-1 when keyword-only; None without one or without a signature), and
     the name of the first parameter, the tensor written into."""
-    import inspect
-
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # builtins without a text signature
