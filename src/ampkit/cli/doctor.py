@@ -68,7 +68,7 @@ def resolve_policy_name(name: Optional[str], device: str) -> str:
         ('O2-bf16', 'bf16-mixed')
     """
     from ..bench.policies import parse_policy
-    from ..diagnose.inspection import default_policy
+    from ..diagnose.request import default_policy
     from ..policy import OPT_LEVELS
 
     device_type = torch.device(device).type
@@ -131,7 +131,7 @@ def _inspect(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, policy: 
     (exit 2); an error the model raises while it runs is a failure (exit 1).
     The forward hooks go on our own model (inspect deep-copies it with them, both times)."""
     from ..diagnose import inspect
-    from ..diagnose.inspection import check_request
+    from ..diagnose.request import check_request
 
     try:
         check_request(model, inputs, policy=policy, loss_fn=loss_fn)

@@ -31,17 +31,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from .._batch import call_model
-from .._dtypes import (autocast_default_dtype, capability, fp8_supported, iter_tensors,
-                       map_tensors)
+from .._dtypes import fp8_supported, iter_tensors, map_tensors
 from .._loss import default_loss
-from .._reference import check_fp32_model, copy_model, fp32_model_hint
-from ..apply import apply_policy, check_models, make_scalers
+from .._reference import copy_model
+from ..apply import apply_policy
 from ..autocast import autocast
-from ..convert import conversion_of
 from ..fp8 import Float8Config, Float8Linear, convert_to_fp8
-from ..fp8.config import FP8_BASE_POLICY, FP8_POLICY_NAMES, fp8_policy_recipe
-from ..keep import kept_modules, kept_names
-from ..policy import OPT_LEVELS, Policy, get_policy
+from ..policy import OPT_LEVELS, Policy
 from . import numerics as nx
 from .advice import UNDERFLOW, Context, advise
 from .exact import fingerprint, signal_underflow
@@ -51,34 +47,7 @@ from .._rng import replayable_rng
 from .._torch_compat import compiled_code_eager, uncompiled
 from .nonfinite import watch
 from .report import ModuleStats, Report
-
-LossFn = Callable[[Any, Any], Tensor]
-
-
-class _Setup:
-    """The validated request: what to run, where, and with which casts."""
-
-    def __init__(self, name: str, policy: Policy, fp8_recipe: Optional[str],
-                 device: torch.device, loss_fn: Optional[LossFn], kept: frozenset[str],
-                 selection: tuple[str, ...]) -> None:
-        self.name, self.policy, self.fp8_recipe = name, policy, fp8_recipe
-        self.device, self.loss_fn = device, loss_fn
-        # The dtype values meet under the policy; a pure-fp32 policy casts nothing, and
-        # neither do modules ampkit.keep_fp32 selected (they are part of the policy).
-        self.half = policy.half_dtype or torch.float32
-        self.kept = kept
-        # The names the caller passed to keep_fp32: advice to keep one more must repeat
-        # them, since a second keep_fp32 call replaces the selection.
-        self.selection = selection
-        # The first scale a GradScaler of this policy uses (2**16 dynamic, the static
-        # scale, 1.0 for none): the rule lives in ampkit.apply; get_scale() before the
-        # first step returns the initial scale without a sync.
-        self.loss_scale = make_scalers(policy, 1, device.type)[0].get_scale()
-
-    def cast_dtype(self, name: str) -> torch.dtype:
-        """The dtype module ``name``'s parameter gradients are cast to under the policy
-        (its outputs are counted against the dtype they have under the policy)."""
-        return torch.float32 if name in self.kept else self.half
+from .request import LossFn, Setup, prepare
 
 
 class _Module:
@@ -123,7 +92,7 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
         ['0', '1', '2']
     """
     model = uncompiled(model)  # torch.compile(model): its modules, by their own names
-    setup = _prepare(model, inputs, policy, loss_fn)
+    setup = prepare(model, inputs, policy, loss_fn)
     # The caller's tensors are only read: each pass gets its own detached copy (no .grad
     # for them; an in-place model gives both passes the same batch). Both passes run
     # outside the caller's autocast regions, compiled code eagerly (it would skip the hooks
@@ -144,82 +113,6 @@ def inspect(model: nn.Module, inputs: Any, target: Any = None, *,
                             exact)
 
 
-# --- validation ----------------------------------------------------------------------------
-def check_request(model: nn.Module, inputs: Any, *, policy: Union[str, Policy, None] = None,
-                  loss_fn: Optional[LossFn] = None) -> None:
-    """What :func:`inspect` checks before anything runs, alone: a ValueError or TypeError
-    here is a request inspect refuses (a half or converted model, a bad policy or
-    loss_fn); one that inspect raises afterwards came from running the model.
-
-    Example:
-        >>> check_request(nn.Linear(4, 2).half(), torch.randn(3, 4))  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: parameter 'weight' is torch.float16; the reference pass must be fp32; ...
-    """
-    _prepare(uncompiled(model), inputs, policy, loss_fn)
-
-
-def _prepare(model: Any, inputs: Any, policy: Any, loss_fn: Any) -> _Setup:
-    """Check every argument before anything runs; resolve the policy and the device."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"inspect takes a torch.nn.Module, got {type(model).__name__} {model!r}")
-    check_models(model)  # refuses a DistributedDataParallel/DataParallel wrapper
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("inspect needs autograd (it runs a backward pass); valid: call it "
-                           "outside torch.inference_mode()")
-    _check_fp32_model(model)
-    device = _device_of(model, inputs)
-    name, resolved, recipe = resolve_policy(policy, device.type)
-    kept = {id(m) for m in kept_modules(model)}
-    fp32_names = frozenset(n for n, m in model.named_modules() if id(m) in kept)
-    return _Setup(name, resolved, recipe, device, loss_fn, fp32_names, tuple(kept_names(model)))
-
-
-def _check_fp32_model(model: nn.Module) -> None:
-    check_fp32_model(model, "inspect")
-    if conversion_of(model) is not None:
-        raise ValueError("this model went through ampkit.initialize (its forward hooks cast); "
-                         f"{fp32_model_hint('inspect')}")
-
-
-def _device_of(model: nn.Module, inputs: Any) -> torch.device:
-    for param in model.parameters():
-        return param.device
-    for tensor in iter_tensors(inputs):
-        return tensor.device
-    return torch.device("cpu")
-
-
-def default_policy(device_type: str) -> str:
-    """The device's default mixed policy: bf16-mixed where bf16 runs natively or is the
-    autocast default (CPU), else 16-mixed (CUDA without bf16)."""
-    bf16 = (device_type == "cuda" and capability(device_type).bf16) or \
-        autocast_default_dtype(device_type) == torch.bfloat16
-    return "bf16-mixed" if bf16 else "16-mixed"
-
-
-def resolve_policy(policy: Union[str, Policy, None],
-                   device_type: str) -> tuple[str, Policy, Optional[str]]:
-    """(name, Policy, fp8 recipe or None) for ``policy``; ValueError names the valid ones."""
-    if policy is None:
-        policy = default_policy(device_type)
-    if isinstance(policy, Policy):
-        return str(policy), policy, None
-    if not isinstance(policy, str):
-        raise TypeError(f"policy must be a name (str), a Policy or None, got "
-                        f"{type(policy).__name__} {policy!r}")
-    recipe = fp8_policy_recipe(policy)  # the meaning of the fp8 names: decided in fp8.config
-    if recipe is not None:
-        return policy.strip(), get_policy(FP8_BASE_POLICY), recipe
-    try:
-        return policy.strip(), get_policy(policy), None
-    except ValueError as err:
-        raise ValueError(f"{err}; or an fp8 policy: {', '.join(FP8_POLICY_NAMES)}") from None
-
-
 # --- the two passes ----------------------------------------------------------------------------
 def _copy(model: nn.Module) -> nn.Module:
     """A deep copy (nn.Parameter's deepcopy leaves .grad behind: no gradients copied)."""
@@ -232,7 +125,7 @@ def _copied(value: Any) -> Any:
     return map_tensors(value, lambda tensor: tensor.detach().clone())
 
 
-def _loss(output: Any, target: Any, setup: _Setup) -> Tensor:
+def _loss(output: Any, target: Any, setup: Setup) -> Tensor:
     loss = (setup.loss_fn or default_loss)(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else
@@ -250,7 +143,7 @@ def _backward(loss: Tensor, scale: float = 1.0) -> None:
 
 
 def _reference_pass(model: nn.Module, inputs: Any, target: Any,
-                    setup: _Setup) -> tuple[dict[str, _Module], Tensor, Tensor]:
+                    setup: Setup) -> tuple[dict[str, _Module], Tensor, Tensor]:
     """fp32 forward+backward on a copy; keeps reference outputs and gradients only, and
     the output's fingerprint (for the float64 step, ``exact.signal_underflow``)."""
     work = _copy(model)
@@ -270,7 +163,7 @@ def _reference_pass(model: nn.Module, inputs: Any, target: Any,
     return table, loss.detach(), ref_print
 
 
-def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
+def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: Setup,
                  table: dict[str, _Module], ref_loss: Tensor,
                  exact: Callable[[list[str]], Optional[dict[str, float]]]) -> Report:
     """The same step under the policy, compared as it runs; builds the report. ``exact``
@@ -316,7 +209,7 @@ def _policy_pass(model: nn.Module, inputs: Any, target: Any, setup: _Setup,
                   setup.loss_scale, losses[0], losses[1], setup.policy.half_dtype)
 
 
-def _fp8(work: nn.Module, setup: _Setup) -> nn.Module:
+def _fp8(work: nn.Module, setup: Setup) -> nn.Module:
     """The copy with its Linear layers in fp8 under an fp8 policy (a bare Linear: a new
     module), else the copy itself."""
     if setup.fp8_recipe is None:
@@ -327,7 +220,7 @@ def _fp8(work: nn.Module, setup: _Setup) -> nn.Module:
     return convert_to_fp8(work, recipe=Float8Config(setup.fp8_recipe, emulate=emulate))
 
 
-def _observe_root(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+def _observe_root(work: nn.Module, table: dict[str, _Module], setup: Setup) -> None:
     """Compare the root's output inside its forward, where a policy applied afterwards
     keeps this forward inside its own casts (``convert`` wraps an instance's forward)."""
     if not any(name == "" for name, _ in tracked(work)):
@@ -343,7 +236,7 @@ def _observe_root(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> 
     work.forward = forward  # type: ignore[method-assign]  # (the copy is dropped after)
 
 
-def _bf16_name(setup: _Setup) -> Optional[str]:
+def _bf16_name(setup: Setup) -> Optional[str]:
     """The same policy in bf16, for advice (None when the policy is not fp16)."""
     if setup.policy.half_dtype != torch.float16:
         return None
@@ -363,7 +256,7 @@ def tracked(model: nn.Module) -> list[tuple[str, nn.Module]]:
             or next(m.children(), None) is None]
 
 
-def _install(model: nn.Module, table: dict[str, _Module], setup: _Setup,
+def _install(model: nn.Module, table: dict[str, _Module], setup: Setup,
              reference: bool, root: bool = True) -> list[RemovableHandle]:
     hook = _record_reference if reference else _compare_output
     return [module.register_forward_hook(
@@ -376,7 +269,7 @@ def _floats(output: Any) -> list[Tensor]:
 
 
 def _record_reference(name: str, module: nn.Module, output: Any,
-                      table: dict[str, _Module], setup: _Setup) -> None:
+                      table: dict[str, _Module], setup: Setup) -> None:
     if name not in table:  # first call: its place in execution order
         table[name] = _Module(name, type(module).__name__, setup.device)
     entry, values = table[name], _floats(output)
@@ -385,7 +278,7 @@ def _record_reference(name: str, module: nn.Module, output: Any,
 
 
 def _compare_output(name: str, module: nn.Module, output: Any,
-                    table: dict[str, _Module], setup: _Setup) -> None:
+                    table: dict[str, _Module], setup: Setup) -> None:
     entry = table.get(name)
     if entry is None:  # did not run in the reference pass
         return
@@ -410,7 +303,7 @@ def _compare_output(name: str, module: nn.Module, output: Any,
 
 
 @torch.no_grad()
-def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: Setup) -> None:
     for name, module in tracked(work):
         entry = table.get(name)
         if entry is None:
@@ -424,7 +317,7 @@ def _keep_reference_grads(work: nn.Module, table: dict[str, _Module], setup: _Se
 
 
 @torch.no_grad()
-def _compare_grads(work: nn.Module, table: dict[str, _Module], setup: _Setup) -> None:
+def _compare_grads(work: nn.Module, table: dict[str, _Module], setup: Setup) -> None:
     for name, module in tracked(work):
         entry = table.get(name)
         if entry is None:
