@@ -37,9 +37,9 @@ class Precision:
         >>> from ampkit.bench.policies import parse_policy
         >>> prec = Precision(parse_policy("bf16-mixed", "cpu"), torch.device("cpu"))
         >>> model, opt = prec.setup(nn.Linear(4, 4), lambda ps: torch.optim.SGD(ps, lr=0.1))
-        >>> with prec.autocast:
+        >>> with prec.autocast:  # the matmul runs in bf16; the policy's output is fp32
         ...     model(torch.ones(2, 4)).dtype
-        torch.bfloat16
+        torch.float32
     """
 
     def __init__(self, spec: PolicySpec, device: torch.device) -> None:
