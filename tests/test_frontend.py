@@ -1103,6 +1103,72 @@ def test_fused_o2_accumulation_skips_an_overflow_in_any_micro_batch(overflowing)
     assert all(not s or s["step"].item() == 0 for s in optimizer.state.values())
 
 
+def _every_exit_unscales(level: str, zero: str, fused: bool):
+    """Four windows of two micro-batches whose exits do not delay (timm's ApexScaler, the
+    Hugging Face apex scripts); window 2's first micro-batch overflows. The scale after
+    each exit, the params after each step."""
+    model = _model()
+    optimizer = (torch.optim.Adam(model.parameters(), lr=1e-2, fused=True) if fused else
+                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.float16)
+    scales, params = [], []
+    for window in range(4):
+        for micro in range(2):
+            loss = _loss(model, micro) * (float("inf") if (window, micro) == (2, 0) else 1.0)
+            with scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            scales.append(_scale())
+        optimizer.step()
+        model.zero_grad() if zero == "model" else optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return scales, params
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+def test_an_overflow_is_counted_once_when_model_zero_grad_clears_the_grads(level, fused):
+    """After a step and model.zero_grad() (the optimizer's leaves a flag set), every later
+    exit before the next step checked the grads an earlier exit had checked: one overflow
+    backed the scale off once per micro-batch (65536 -> 16384 here, -> 256 over eight)."""
+    scales, params = _every_exit_unscales(level, "model", fused)
+    assert scales == [65536.0] * 4 + [32768.0] * 4
+    assert all(torch.equal(a, b) for a, b in zip(params[1], params[2]))  # window 2 skipped
+    assert not all(torch.equal(a, b) for a, b in zip(params[2], params[3]))
+    scales_opt, params_opt = _every_exit_unscales(level, "opt", fused)
+    assert scales_opt == scales
+    assert all(torch.equal(a, b) for window, other in zip(params, params_opt)
+               for a, b in zip(window, other))
+
+
+def test_a_gan_losses_overflow_backs_off_its_own_scaler_only():
+    """apex's DCGAN example (num_losses=3, netD.zero_grad()): the overflow of loss 0 was
+    counted again by loss 1's exit into the same optimizer, halving scaler 1 too."""
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=2e-4)
+    initialize([disc, gen], [opt_d, opt_g], opt_level="O1", num_losses=3,
+               half_dtype=torch.float16)
+    for step in range(3):
+        disc.zero_grad()
+        # (the losses are quartered: a bias grad of 1/8 x 8 x 65536 overflows fp16 itself)
+        real = disc(torch.randn(8, 8)).float().mean() * (float("inf") if step == 1 else 0.25)
+        with scale_loss(real, opt_d, loss_id=0) as scaled:
+            scaled.backward()
+        fake = gen(torch.randn(8, 4))
+        with scale_loss(disc(fake.detach()).float().mean() / 4, opt_d, loss_id=1) as scaled:
+            scaled.backward()
+        opt_d.step()
+        gen.zero_grad()
+        with scale_loss(-disc(fake).float().mean() / 4, opt_g, loss_id=2) as scaled:
+            scaled.backward()
+        opt_g.step()
+    assert state_dict() == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 1},
+                            "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 3},
+                            "loss_scaler2": {"loss_scale": 65536.0, "unskipped": 3}}
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_o3_recasts_the_state_an_optimizer_already_has(dtype):
     """A resumed fp32 Adam state stayed fp32 beside half params; apex reloaded the state

@@ -296,6 +296,9 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
     stash.grads_unscaled = not delay
     stash.delayed_inv = inv_scale if delay else None
     if not delay:
+        # Every grad the optimizer holds is checked now: a later exit before the next step
+        # must not count this exit's overflow again (model.zero_grad() leaves stepped set).
+        stash.stepped = False
         # This exit's flag, where it updates the scale (then an overflow skips the step).
         earlier = stash.last_found_inf
         if counts and found_inf is not None:
