@@ -96,6 +96,74 @@ def test_amp_state_is_empty_before_initialize():
     assert amp._amp_state.loss_scalers == []
 
 
+def test_amp_state_scale_seq_len_sets_the_clean_steps_the_scale_grows_after():
+    """Written after initialize by public scripts (_scale_seq_len = 200): the write went to a
+    throw-away view and the scale kept growing every 2000 steps."""
+    model, opt = _init("O2", F16)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert scaler._scale_seq_len == 2000 and scaler.dynamic
+    scaler._loss_scale = 2.0**10
+    scaler._scale_seq_len = 3
+    assert amp._amp_state.loss_scalers[0]._scale_seq_len == 3
+    scales = []
+    for _ in range(7):
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        scales.append(amp._amp_state.loss_scalers[0].loss_scale())
+    assert scales == [1024.0, 1024.0, 2048.0, 2048.0, 2048.0, 4096.0, 4096.0]  # apex's rule
+    with pytest.raises(ValueError, match=r"_scale_seq_len .* got 0"):
+        scaler._scale_seq_len = 0
+
+
+def test_amp_state_refuses_what_it_would_silently_drop():
+    _init("O1", F16, min_loss_scale=2.0, max_loss_scale=2.0**20)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0, 2.0**20)
+    with pytest.raises(AttributeError, match=r"loss_scalers\[0\]\.dynamic is read-only.*"
+                                             r"valid writes: _loss_scale, _unskipped, _scale_seq_len"):
+        scaler.dynamic = False
+    with pytest.raises(AttributeError, match=r"\._growth_interval is not part of it"):
+        scaler._growth_interval = 5
+    with pytest.raises(AttributeError, match=r"update_scale .*scale_loss unscales the gradients "
+                                             r"and updates the scale at its exit.*_scale_seq_len"):
+        scaler.update_scale()
+    assert not hasattr(scaler, "_has_overflow")
+
+
+@pytest.mark.parametrize("level, expected", [
+    ("O0", dict(cast_model_type=torch.float32, patch_torch_functions=False,
+                keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0)),
+    ("O1", dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+                master_weights=False, loss_scale="dynamic")),
+    ("O2", dict(cast_model_type=F16, patch_torch_functions=False, keep_batchnorm_fp32=True,
+                master_weights=True, loss_scale="dynamic")),
+    ("O3", dict(cast_model_type=F16, patch_torch_functions=False, keep_batchnorm_fp32=False,
+                master_weights=False, loss_scale=1.0))])
+def test_amp_state_opt_properties_are_apex_s_for_each_level(level, expected):
+    """Scripts read _amp_state.opt_properties.master_weights (to clip or zero the masters)
+    and .options["cast_model_type"] (to cast inputs); it did not exist."""
+    assert not hasattr(amp._amp_state, "opt_properties")  # before initialize, as in apex
+    _init(level, F16)
+    props = amp._amp_state.opt_properties
+    assert props.options == {"enabled": True, "opt_level": level, **expected}
+    assert props.master_weights is expected["master_weights"]
+    assert props.options["cast_model_type"] is expected["cast_model_type"]
+    with pytest.raises(AttributeError, match=r"opt_properties.master_weights is read-only"):
+        props.master_weights = True
+    with pytest.raises(AttributeError, match=r"opt_properties.handle is not part of .*opt_level"):
+        props.handle
+
+
+def test_amp_state_opt_properties_after_a_disabled_initialize():
+    _init("O2", enabled=False)
+    assert amp._amp_state.opt_properties.options == {
+        "enabled": False, "opt_level": "O2", "cast_model_type": None,
+        "patch_torch_functions": None, "keep_batchnorm_fp32": None, "master_weights": None,
+        "loss_scale": None}
+
+
 # --- an exception inside scale_loss ---------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_exception_after_backward_drops_the_scaled_gradients(level):

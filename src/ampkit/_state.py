@@ -40,6 +40,8 @@ class ActiveAmp:
         fixed_unskipped: per loss id, under a fixed loss scale, the exits that would have
             updated a dynamic one (apex's ``_unskipped``; a dynamic scaler's count is its
             growth tracker, and this list is empty). Filled by ``initialize``.
+        opt_level: the opt level ``initialize`` was given ("O0".."O3"; None when
+            ``TuneResult.apply`` configured the policy).
     """
 
     device_type: str
@@ -52,6 +54,7 @@ class ActiveAmp:
     overflow_notes: list[Any] = field(default_factory=list)
     scale_windows: dict[int, Any] = field(default_factory=dict)
     fixed_unskipped: list[int] = field(default_factory=list)
+    opt_level: Optional[str] = None
 
     @property
     def dynamic(self) -> bool:

@@ -71,7 +71,8 @@ class Plan:
         _apply(self)
         return self
 
-    def activate(self, *, log_level: int = logging.INFO) -> "Plan":
+    def activate(self, *, log_level: int = logging.INFO,
+                 opt_level: Optional[str] = None) -> "Plan":
         """Make this plan the active amp state, then :meth:`apply` it; returns self.
 
         What ``initialize`` does once everything is checked, and ``TuneResult.apply``
@@ -84,7 +85,8 @@ class Plan:
                                   scalers=self.scalers, log_level=log_level,
                                   scaling=policy.loss_scaling.kind != "none",
                                   fixed_unskipped=([] if policy.dynamic_loss_scale
-                                                   else [0] * len(self.scalers)))
+                                                   else [0] * len(self.scalers)),
+                                  opt_level=opt_level)
         _state.set_active(active)
         self.apply()
         for optimizer in self.optimizers:

@@ -82,9 +82,9 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
         _warn_about_half_params(application.models, policy, level)
     # Nothing was modified above this line.
     if not enabled:
-        _state.set_active(_state.ActiveAmp(device_type, None, enabled=False))
+        _state.set_active(_state.ActiveAmp(device_type, None, enabled=False, opt_level=level))
         return models if optimizers is None else (models, optimizers)
-    application.activate(log_level=log_level)
+    application.activate(log_level=log_level, opt_level=level)
     _warn_about_bf16_o3(level, policy)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
                level, device_type, policy, len(application.scalers))

@@ -136,21 +136,43 @@ def _scaler_state(key: str, entry: Any, scaler: GradScaler) -> dict[str, Any]:
 
 
 # --- apex's private attributes that public apex clients use -----------------------------
+_WRITABLE = ("_loss_scale", "_unskipped", "_scale_seq_len")
+_READABLE = ("loss_scale()", "dynamic", "_min_loss_scale", "_max_loss_scale") + _WRITABLE
+
+
 class _LossScaler:
     """apex's ``LossScaler`` as training scripts use it, over one of ampkit's loss scalers.
 
     ``loss_scale()`` and ``_loss_scale`` read the current scale, ``_unskipped`` the clean
-    steps since it last changed; writing either sets the scaler (the next ``scale_loss``
-    uses the new scale). Each read or write syncs with the device.
+    steps since it last changed, ``_scale_seq_len`` the clean steps the scale grows after
+    (the growth interval); writing one of these sets the scaler (the next ``scale_loss``
+    uses it). ``dynamic``, ``_min_loss_scale`` and ``_max_loss_scale`` are read-only. Any
+    other attribute, read or written, raises AttributeError naming these: a write to this
+    view that nothing reads would be lost silently. Each read or write of the scale or the
+    count syncs with the device.
     """
 
+    __slots__ = ("_amp", "_loss_id", "_scaler")
+
     def __init__(self, amp: _state.ActiveAmp, loss_id: int) -> None:
-        self._amp = amp
-        self._loss_id = loss_id
-        self._scaler = amp.scalers[loss_id]
+        object.__setattr__(self, "_amp", amp)
+        object.__setattr__(self, "_loss_id", loss_id)
+        object.__setattr__(self, "_scaler", amp.scalers[loss_id])
 
     def loss_scale(self) -> float:
         return self._scaler.get_scale()
+
+    @property
+    def dynamic(self) -> bool:
+        return self._amp.dynamic
+
+    @property
+    def _min_loss_scale(self) -> Optional[float]:
+        return self._scaler.min_scale
+
+    @property
+    def _max_loss_scale(self) -> Optional[float]:
+        return self._scaler.max_scale
 
     @property
     def _loss_scale(self) -> float:
@@ -174,10 +196,79 @@ class _LossScaler:
         if self._amp.fixed_unskipped:
             self._amp.fixed_unskipped[self._loss_id] = value
 
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._scaler.get_growth_interval()
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        # apex grew the scale when _unskipped reached it: torch's growth interval.
+        self._scaler.set_growth_interval(int(check_int("_scale_seq_len", value, 1, INT32_MAX)))
+
     def _set(self, **entries: Any) -> None:
         state = self._scaler.state_dict()
         state.update(entries)
         self._scaler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        hint = (" (scale_loss unscales the gradients and updates the scale at its exit)"
+                if name in ("update_scale", "unscale", "unscale_with_stashed",
+                            "_has_overflow") else "")
+        raise AttributeError(f"apex's LossScaler.{name} is not part of ampkit's "
+                             f"_amp_state.loss_scalers{hint}; valid: {', '.join(_READABLE)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _WRITABLE:
+            read_only = " is read-only" if name in _READABLE else " is not part of it"
+            raise AttributeError(f"_amp_state.loss_scalers[{self._loss_id}].{name}{read_only}: "
+                                 "a write here would change nothing; valid writes: "
+                                 f"{', '.join(_WRITABLE)} (settings: pass them to initialize)")
+        object.__setattr__(self, name, value)
+
+
+class _Properties:
+    """apex's ``_amp_state.opt_properties``, read-only: the options ``initialize``
+    resolved (``opt_level``, ``cast_model_type``, ``patch_torch_functions``,
+    ``keep_batchnorm_fp32``, ``master_weights``, ``loss_scale``, ``enabled``), as
+    attributes and as the dict ``options``, with apex's values for each level."""
+
+    __slots__ = ("options",)
+
+    def __init__(self, amp: _state.ActiveAmp) -> None:
+        object.__setattr__(self, "options", _options(amp))
+
+    def __getattr__(self, name: str) -> Any:
+        options = object.__getattribute__(self, "options")
+        if name in options:
+            return options[name]
+        raise AttributeError(f"apex's opt_properties.{name} is not part of ampkit's "
+                             f"_amp_state.opt_properties; valid: {', '.join(options)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"_amp_state.opt_properties.{name} is read-only: ampkit applied "
+                             "the options at initialize; valid: pass them to initialize")
+
+
+def _options(amp: _state.ActiveAmp) -> dict[str, Any]:
+    options: dict[str, Any] = dict.fromkeys(
+        ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
+         "keep_batchnorm_fp32", "master_weights", "loss_scale"))
+    options.update(enabled=amp.enabled, opt_level=amp.opt_level)
+    policy = amp.policy
+    if not amp.enabled or policy is None:
+        return options  # apex's Properties() after initialize(enabled=False)
+    half_params = policy.param_dtype != torch.float32
+    options.update(
+        # O1 casts no model (None); O0 names fp32, O2/O3 the half dtype.
+        cast_model_type=None if policy.autocast and not half_params else policy.param_dtype,
+        patch_torch_functions=policy.autocast,
+        keep_batchnorm_fp32=policy.keep_batchnorm_fp32 if half_params else None,
+        master_weights=policy.master_weights,
+        loss_scale="dynamic" if amp.dynamic else amp.scalers[0].get_scale() if amp.scalers
+        else 1.0)
+    return options
 
 
 class _AmpStateView:
@@ -185,7 +276,8 @@ class _AmpStateView:
 
     ``loss_scalers[i]`` follows the active ``initialize`` (empty before it or when it was
     disabled), so a script that writes ``_amp_state.loss_scalers[0]._loss_scale`` after
-    initialize sets the scale its next ``scale_loss`` uses.
+    initialize sets the scale its next ``scale_loss`` uses. ``opt_properties`` exists
+    once ``initialize`` ran, as in apex.
     """
 
     @property
@@ -194,6 +286,14 @@ class _AmpStateView:
         if amp is None or not amp.enabled:
             return []
         return [_LossScaler(amp, i) for i in range(len(amp.scalers))]
+
+    @property
+    def opt_properties(self) -> _Properties:
+        amp = _state.get_active()
+        if amp is None:
+            raise AttributeError("_amp_state.opt_properties exists once ampkit.initialize ran, "
+                                 "as in apex; valid: call initialize first")
+        return _Properties(amp)
 
 
 _amp_state = _AmpStateView()
