@@ -324,6 +324,25 @@ def test_a_trained_model_moved_to_meta_and_back_starts_afresh(monkeypatch):
     _assert_same_state(trained, fresh)
 
 
+def test_to_empty_on_a_real_device_starts_the_histories_afresh(monkeypatch):
+    """to_empty() of a model on the CPU (re-materialising it, then reset_parameters() or a
+    load) left the histories as the memory it got: NaN under deterministic mode (a resumed
+    checkpoint refused), else any number (a huge one flushes outputs to zero). They start
+    from zeros with a fresh warm-up, as after to_empty() from meta."""
+    trained = convert_to_fp8(_stack(), recipe=DELAYED)
+    _sgd_losses(trained, steps=2)
+    weights = copy.deepcopy(trained.state_dict())
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty_like", _used_memory)
+        trained.to_empty(device="cpu")
+    assert all(torch.equal(h, torch.zeros(4)) for n, h in trained.named_buffers() if "amax" in n)
+    trained.load_state_dict(weights)
+    fresh = convert_to_fp8(_stack(), recipe=DELAYED)
+    fresh.load_state_dict(weights)
+    assert _sgd_losses(trained) == _sgd_losses(fresh)
+    _assert_same_state(trained, fresh)
+
+
 def test_a_meta_built_model_loads_its_fp8_state_before_a_first_forward(monkeypatch):
     """Histories made at the first forward would overwrite a resumed state with zeros."""
     reference = convert_to_fp8(_stack(), recipe=DELAYED)

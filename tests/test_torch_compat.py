@@ -590,12 +590,13 @@ def _after_apply() -> None:
     seen = []
 
     class Probe(tc.AfterApply, nn.Linear):
-        def after_apply(self) -> None:
-            seen.append(self.weight.dtype)
+        def after_apply(self, *, emptied: bool = False) -> None:
+            seen.append((self.weight.dtype, emptied))
 
-    nn.Sequential(Probe(2, 2)).to(torch.float64).half()
-    _check("AfterApply", seen == [torch.float64, torch.float16],
-           f".to(float64)/.half() of a parent gave after_apply calls seeing {seen}")
+    nn.Sequential(Probe(2, 2)).to(torch.float64).half().to_empty(device="cpu")
+    _check("AfterApply", seen == [(torch.float64, False), (torch.float16, False),
+                                  (torch.float16, True)],
+           f".to(float64)/.half()/.to_empty() of a parent gave after_apply calls seeing {seen}")
 
 
 def _batch_norm_base() -> None:

@@ -582,11 +582,18 @@ class AfterApply(nn.Module):
             after = getattr(self, name)
             if after.dtype != torch.float32:
                 setattr(self, name, before.to(device=after.device, dtype=torch.float32))
-        self.after_apply()
+        self.after_apply(emptied=_is_to_empty(fn))
         return result
 
-    def after_apply(self) -> None:
-        """Called with the module's own tensors already moved or cast."""
+    def after_apply(self, *, emptied: bool = False) -> None:
+        """Called with the module's own tensors already moved or cast; ``emptied``: by
+        ``Module.to_empty()``, which leaves their values uninitialised memory."""
+
+
+def _is_to_empty(fn: Any) -> bool:
+    """Whether an ``_apply`` function is ``Module.to_empty``'s (a lambda defined there
+    since 2.0: ``torch.empty_like(t, device=device)``)."""
+    return getattr(fn, "__qualname__", "").startswith("Module.to_empty.")
 
 
 # The base class of BatchNorm1d/2d/3d and SyncBatchNorm (not of the instance norms);

@@ -41,11 +41,13 @@ class DelayedHistories:
         return torch.zeros(self.config.amax_history_len, dtype=torch.float32,
                            device=self.weight.device)
 
-    def _histories_moved(self) -> None:
+    def _histories_moved(self, emptied: bool = False) -> None:
         """After a move: a move to meta drops the histories' values, as building there
         does (made again where the weight lands, with a fresh warm-up); a move from meta
-        makes them."""
-        if self.config.recipe is Recipe.DELAYED and self.weight.device.type == "meta":
+        makes them. ``emptied`` (``to_empty()`` from a real device): their values are
+        uninitialised memory, NaN or any number, made again as from meta."""
+        if self.config.recipe is Recipe.DELAYED and (emptied or
+                                                     self.weight.device.type == "meta"):
             self._histories_pending = True
             self._delayed_started = False
         self._make_pending_histories()

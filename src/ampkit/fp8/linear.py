@@ -315,11 +315,11 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     # down in a 16-bit history would make the next scale too large and saturate, and one
     # above 65504 (a gradient under a loss scale) would become inf.
     FP32_BUFFERS = tuple(f"amax_history_{name}" for name in ROLE_NAMES)
-    def after_apply(self) -> None:
+    def after_apply(self, *, emptied: bool = False) -> None:
         # After .to()/.cuda()/.half()/.to_empty() (_torch_compat.AfterApply): decide the
-        # backend and make meta-built histories for the new device now, in eager code, so
-        # a compiled forward only reads Python bools.
-        self._histories_moved()
+        # backend and make meta-built (or emptied) histories for the new device now, in
+        # eager code, so a compiled forward only reads Python bools.
+        self._histories_moved(emptied)
         self._resolve_backend()
 
     def _resolve_backend(self) -> bool:
