@@ -71,8 +71,11 @@ def test_config_coerces_strings_to_enums_once():
     ({"recipe": 3}, TypeError, r"fp8 recipe must be a str or Recipe, got int 3; valid: 'tensorwise'"),
     ({"amax_history_len": 0}, ValueError, r"amax_history_len=0 is invalid; valid: an int >= 1"),
     ({"amax_history_len": 2.0}, TypeError, r"amax_history_len must be an int >= 1, got float 2.0"),
-    ({"margin": -1}, ValueError, r"margin=-1 is invalid; valid: an int >= 0"),
-    ({"margin": True}, TypeError, r"margin must be an int >= 0, got bool True"),
+    ({"margin": -1}, ValueError, r"margin=-1 is invalid; valid: an int from 0 to 14 \(the amax"),
+    ({"margin": 20}, ValueError, r"margin=20 is invalid; valid: an int from 0 to 14 \(the amax "
+                                 r"lands 20 binades below e4m3's 448; .* from 18 on every value is 0"),
+    ({"margin": 2**10}, ValueError, r"margin=1024 is invalid; valid: an int from 0 to 14"),
+    ({"margin": True}, TypeError, r"margin must be an int from 0 to 14, got bool True"),
     ({"amax_compute_algo": "mean"}, ValueError,
      r"unknown amax_compute_algo 'mean'; valid: 'max', 'most_recent'"),
     ({"emulate": "yes"}, TypeError, r"emulate must be None, True or False, got 'yes'"),
@@ -589,7 +592,7 @@ def test_emulate_false_without_fp8_hardware_raises():
     (lambda: Float8Linear(32, 16, config=Float8Config("delayed", amax_history_len=0)), ValueError,
      r"amax_history_len=0 is invalid; valid: an int >= 1"),
     (lambda: Float8Linear(32, 16, config=Float8Config(margin=-2)), ValueError,
-     r"margin=-2 is invalid; valid: an int >= 0"),
+     r"margin=-2 is invalid; valid: an int from 0 to 14"),
 ])
 def test_bad_input_errors(make, error, match):
     with pytest.raises(error, match=match):

@@ -80,11 +80,19 @@ def _to_enum(enum: type[Enum], value: object, what: str) -> Enum:
                     f"{type(value).__name__} {value!r}; valid: {_choices(enum)}")
 
 
-def _check_int(value: object, what: str, minimum: int) -> None:
+# The largest margin that still casts a tensor's amax to a normal e4m3 value: 448 / 2**14
+# is above e4m3's smallest normal, 2**-6; at 18 every value flushes to zero, and at a few
+# hundred the fp32 scale itself underflows (NaN outputs).
+MAX_MARGIN = 14
+
+
+def _check_int(value: object, what: str, minimum: int, maximum: Optional[int] = None,
+               why: str = "") -> None:
+    valid = f"an int >= {minimum}" if maximum is None else f"an int from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{what}={value!r} is invalid; valid: an int >= {minimum}")
+        raise TypeError(f"{what} must be {valid}, got {type(value).__name__} {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{what}={value!r} is invalid; valid: {valid}{why}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,8 @@ class Float8Config:
         amax_history_len: steps of amax the delayed recipe remembers (>= 1).
         amax_compute_algo: "max" (largest amax in the history) or "most_recent".
         margin: scales are divided by ``2**margin``, so the amax maps ``margin`` binades
-            below the format's largest value (headroom for growth between steps; >= 0).
+            below the format's largest value (headroom for growth between steps; 0 to
+            ``MAX_MARGIN``, 14: beyond it the amax itself is cast below e4m3's normals).
         emulate: None picks per device (``torch._scaled_mm`` where
             ``ampkit._dtypes.fp8_supported``, emulation with a one-time warning
             elsewhere); True always emulates; False requires fp8 hardware.
@@ -121,7 +130,9 @@ class Float8Config:
         object.__setattr__(self, "amax_compute_algo",
                            _to_enum(AmaxComputeAlgo, self.amax_compute_algo, "amax_compute_algo"))
         _check_int(self.amax_history_len, "amax_history_len", 1)
-        _check_int(self.margin, "margin", 0)
+        _check_int(self.margin, "margin", 0, MAX_MARGIN,
+                   f" (the amax lands {self.margin} binades below e4m3's 448; from 15 on it "
+                   "is cast below e4m3's smallest normal, from 18 on every value is 0)")
         if self.emulate is not None and not isinstance(self.emulate, bool):
             raise TypeError(f"emulate must be None, True or False, got {self.emulate!r}")
         if not isinstance(self.output_fast_accum, bool):
