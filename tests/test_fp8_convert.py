@@ -48,10 +48,29 @@ def test_swaps_eligible_layers_in_place_and_logs_the_rest(caplog):
     assert all(p is params[name] for name, p in model.named_parameters())
     messages = [r.getMessage() for r in caplog.records]
     assert "convert_to_fp8: kept 4 as nn.Linear: in_features=32 and out_features=10 must both " \
-           "be multiples of 16 for fp8 GEMMs" in messages
+           "be positive multiples of 16 for fp8 GEMMs" in messages
     assert "convert_to_fp8: kept 3 as nn.Linear: SubLinear is a subclass of nn.Linear, not " \
            "nn.Linear itself" in messages
     assert messages[-1] == "convert_to_fp8: 3 linear layer(s) now tensorwise fp8, 2 kept"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("features", [(32, 0), (0, 32)], ids=["no-out", "no-in"])
+def test_a_layer_without_features_is_kept_as_it_trains(recipe, features):
+    """0 is a multiple of 16: nn.Linear(32, 0) was swapped, and its forward (tensorwise,
+    delayed) or backward (rowwise) raised where nn.Linear gives an empty output."""
+    empty = nn.Linear(*features)
+    model = (nn.Sequential(nn.Linear(32, 32), empty) if features[1] == 0 else
+             nn.Sequential(empty, nn.Linear(32, 32)))
+    convert_to_fp8(model, recipe=EMU[recipe])
+    assert model[0 if features[0] == 0 else 1] is empty
+    assert sum(isinstance(m, Float8Linear) for m in model) == 1
+    out = model(torch.randn(4, 32 if features[0] else 0))
+    out.sum().backward()
+    assert out.shape == (4, 0 if features[1] == 0 else 32)
+    with pytest.raises(ValueError, match=rf"in_features={features[0]} and out_features="
+                                         rf"{features[1]} must both be positive multiples of 16"):
+        Float8Linear(*features)
 
 
 def test_module_filter_gets_module_and_fqn(caplog):
@@ -488,7 +507,7 @@ def test_a_model_whose_every_linear_is_kept_warns_with_the_first_reason():
     assert [str(w.message) for w in record] == [
         "convert_to_fp8: none of the 2 nn.Linear layer(s) of Sequential could be swapped, so "
         "nothing in it runs in fp8; '0' was kept: in_features=30 and out_features=32 must both "
-        "be multiples of 16 for fp8 GEMMs"]
+        "be positive multiples of 16 for fp8 GEMMs"]
     assert [type(m) for m in model] == [nn.Linear, nn.Linear]
 
 
@@ -513,4 +532,4 @@ def test_a_bare_linear_that_cannot_be_swapped_warns_too():
     assert [str(w.message) for w in record] == [
         "convert_to_fp8: none of the 1 nn.Linear layer(s) of Linear could be swapped, so "
         "nothing in it runs in fp8; it was kept as it is: in_features=30 and out_features=32 "
-        "must both be multiples of 16 for fp8 GEMMs"]
+        "must both be positive multiples of 16 for fp8 GEMMs"]

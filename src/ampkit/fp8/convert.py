@@ -113,7 +113,7 @@ def convert_to_fp8(model: nn.Module, *,
                    module_filter: Optional[ModuleFilter] = None) -> nn.Module:
     """Swap every eligible nn.Linear of ``model`` for a Float8Linear, in place.
 
-    Eligible: exactly nn.Linear (not a subclass), in/out features multiples of 16, and
+    Eligible: exactly nn.Linear (not a subclass), in/out features positive multiples of 16, and
     accepted by ``module_filter``. Skipped layers stay as they are and are reported on
     the ``ampkit.fp8`` logger (INFO), one line each with the reason; a call without
     ``module_filter`` that swaps no layer at all warns (UserWarning). The new layers share

@@ -33,11 +33,12 @@ def check_fp8_dims(in_features: int, out_features: int) -> Optional[str]:
     """Why a linear layer cannot run in fp8 (None when it can).
 
     fp8 GEMMs need every dimension that is a GEMM's K or N (in the forward and both
-    backward matmuls: in_features and out_features) to be a multiple of 16.
+    backward matmuls: in_features and out_features) to be a multiple of 16, and a layer
+    without features has no GEMM to run (nn.Linear gives its empty or bias-only output).
     """
-    if in_features % 16 or out_features % 16:
+    if in_features % 16 or out_features % 16 or not (in_features and out_features):
         return (f"in_features={in_features} and out_features={out_features} must both "
-                f"be multiples of 16 for fp8 GEMMs")
+                f"be positive multiples of 16 for fp8 GEMMs")
     return None
 
 
