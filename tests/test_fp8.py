@@ -15,6 +15,7 @@ from conftest import DEVICES, HALF_DTYPES
 from ampkit.fp8 import AmaxComputeAlgo, Float8Config, Float8Linear, Recipe
 from ampkit.fp8 import linear as fp8_linear
 from ampkit import _warn
+import ampkit
 from ampkit.fp8.scaling import (E4M3, E5M2, Fp8, amax_to_scale, compute_amax, dequantize,
                                 fp8_max, history_amax, quantize, quantize_delayed,
                                 saturated_cast, update_history)
@@ -398,6 +399,20 @@ def test_autocast_output_dtype(recipe, dtype, device):
     out.float().sum().backward()
     assert x.grad.dtype == torch.float32 and fp8.weight.grad.dtype == torch.float32
     assert fp8(x.detach()).dtype == torch.float32  # autocast state did not leak
+
+
+@pytest.mark.parametrize("region", [torch.autocast, ampkit.autocast], ids=["torch", "ampkit"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_float64_layer_stays_float64_under_autocast_as_torch_s(recipe, region):
+    """Autocast casts no fp64 tensor, so nn.Linear in fp64 returns fp64 in a bf16 region;
+    Float8Linear returned the region's dtype."""
+    plain, fp8 = (layer.double() for layer in layer_pair(recipe))
+    x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    with region("cpu", dtype=torch.bfloat16):
+        expected, out = plain(x), fp8(x)
+    assert out.dtype == expected.dtype == torch.float64
+    out.sum().backward()
+    assert x.grad.dtype == fp8.weight.grad.dtype == torch.float64
 
 
 def test_emulated_matmul_ignores_surrounding_autocast():

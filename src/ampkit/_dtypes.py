@@ -314,9 +314,11 @@ def _cpu_flags() -> dict:
 
 def autocast_output_dtype(x: torch.Tensor) -> torch.dtype:
     """What a low-precision-listed op (a matmul, attention) returns for input ``x``: the
-    autocast dtype inside an autocast region of x's device, else x's own dtype."""
+    autocast dtype inside an autocast region of x's device, else x's own dtype (float64
+    too: autocast casts no fp64 tensor, so an fp64 op stays fp64)."""
     device_type = x.device.type
-    if has_autocast(device_type) and _torch_compat.is_autocast_enabled(device_type):
+    if (x.dtype != torch.float64 and has_autocast(device_type)
+            and _torch_compat.is_autocast_enabled(device_type)):
         return _torch_compat.get_autocast_dtype(device_type)
     return x.dtype  # also on a device without autocast (meta)
 
