@@ -349,6 +349,21 @@ def test_frozen_weight_gets_no_gradient(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_torch_func_transforms_raise_naming_the_layer_and_the_way_out(recipe):
+    """vmap and grad failed with torch's message about autograd.Function.setup_context."""
+    _, fp8 = layer_pair(recipe)
+    x = torch.randn(3, 4, 64)
+    match = (r"Float8Linear does not run under torch.func transforms \(vmap, grad, .*valid: "
+             r"keep this layer out of fp8 \(convert_to_fp8\(..., module_filter=...\)\)")
+    with pytest.raises(RuntimeError, match=match):
+        torch.func.vmap(fp8)(x)
+    params = dict(fp8.named_parameters())
+    with pytest.raises(RuntimeError, match=match):
+        torch.func.grad(lambda p: torch.func.functional_call(fp8, p, (x,)).sum())(params)
+    assert torch.func.functional_call(fp8, params, (x,)).shape == (3, 4, 32)  # no transform
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_double_backward_raises_instead_of_dropping_the_weights_path(recipe):
     """A gradient penalty (create_graph=True) got gradients built from detached fp8
     copies: silently without every path through the weight (or torch's unrelated

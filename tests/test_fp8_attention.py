@@ -285,6 +285,19 @@ def test_unsupported_call_runs_torch_attention_with_a_warning(kwargs):
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, **kwargs))
 
 
+def test_under_torch_func_transforms_torch_attention_runs_with_a_warning():
+    """vmap or grad over fp8 attention failed with torch's message about setup_context."""
+    q, k, v = qkv()
+    stacked = torch.stack([q, q + 1])
+    with pytest.warns(UserWarning, match=r"runs in high precision, not fp8: a torch.func "
+                                         r"transform \(vmap, grad, ...\) is running"):
+        out = torch.func.vmap(lambda t: emulated(t, k, v))(stacked)
+    expected = torch.func.vmap(lambda t: F.scaled_dot_product_attention(t, k, v))(stacked)
+    assert torch.equal(out, expected)
+    grad = torch.func.grad(lambda t: emulated(t, k, v).sum())(q)
+    assert torch.equal(grad, torch.func.grad(lambda t: F.scaled_dot_product_attention(t, k, v).sum())(q))
+
+
 def test_fallback_warns_once_per_kind_of_reason():
     q, k, v = qkv(dim=24)
     with pytest.warns(UserWarning) as record:

@@ -132,6 +132,20 @@ def _tensor_version() -> None:
     _check("tensor_version", tc.tensor_version(grad) == after, "a read changed it")
 
 
+def _functorch_active() -> None:
+    seen = []
+
+    def f(x):
+        seen.append(tc.functorch_active())
+        return x.sum()
+
+    f(torch.ones(2))
+    torch.func.vmap(f)(torch.ones(3, 2))
+    torch.func.grad(f)(torch.ones(2))
+    _check("functorch_active", seen == [False, True, True],
+           f"eager, under vmap, under grad gave {seen}, not [False, True, True]")
+
+
 def _is_compiling() -> None:
     _check("is_compiling", tc.is_compiling() is False, "True in eager code")
     seen = []
@@ -666,7 +680,8 @@ CHECKS: dict[str, Callable[[], None]] = {
     "clear_autocast_cache": _autocast_switches,
     "is_torch_function_mode_enabled": _torch_function_mode,
     "privateuse1_backend_name": _privateuse1, "resolve_autocast": _resolve_autocast,
-    "is_compiling": _is_compiling, "dynamo_reset": _is_compiling, "graph_break": _graph_break,
+    "is_compiling": _is_compiling, "functorch_active": _functorch_active,
+    "dynamo_reset": _is_compiling, "graph_break": _graph_break,
     "uncompiled": _compiled_modules, "compiled_code_eager": _compiled_modules,
     "compile_tracing": _compile_tracing,
     "checkpoint_call": _checkpoint_call, "CheckpointCall": _checkpoint_call, "import_dynamo": _import_dynamo,

@@ -50,7 +50,7 @@ __all__ = [
     "autocast_decrement_nesting", "clear_autocast_cache", "is_torch_function_mode_enabled",
     "privateuse1_backend_name", "resolve_autocast",
     # compile and dispatch modes
-    "is_compiling", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "seeded_random", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
+    "is_compiling", "functorch_active", "graph_break", "checkpoint_call", "CheckpointCall", "dynamo_reset", "tensor_version", "import_dynamo", "TorchDispatchMode", "EagerDispatchMode", "seeded_random", "aten_to_copy", "cpu_attention", "cpu_attention_backward", "rnn_layer",
     "rnn_layer_backward", "trilinear",
     "unsafe_view", "uncompiled", "compiled_code_eager", "compile_tracing",
     # tensor subclasses (fp8 all-gather)
@@ -243,6 +243,9 @@ def _closed_over_frame(fn: Any, depth: int) -> Any:
 # --- compile -------------------------------------------------------------------------------
 # True while dynamo traces (torch.compile, strict torch.export); public since 2.3.
 is_compiling = _entry("torch.compiler.is_compiling")
+# Whether a torch.func transform (vmap, grad, jacrev, ...) is running; the flag
+# autograd.Function reads itself; since 2.0.
+functorch_active = _entry("torch._C._are_functorch_transforms_active")
 # Forget every compiled graph: each benchmarked policy compiles afresh; since 2.0.
 TORCH_PATHS.append("torch._dynamo.reset")
 

@@ -21,7 +21,7 @@ The recipe, on every path:
   as Float8Linear's do. Saved per element: 3 bytes of fp8 q, k, v (torch's bf16 attention
   saves q, k, v and the output, 8 bytes; the output is saved by the next layer anyway).
 - A non-finite value in q, k or v makes its whole (batch, head) NaN (a loss scaler then
-  skips the step); no double backward, no torch.func transforms.
+  skips the step); no double backward; under torch.func transforms torch's attention runs.
 
 Paths: on a Hopper-class GPU with Triton installed, fused Triton kernels
 (``_attention_kernels.py``: a flash-attention forward on fp8 tensor cores and a backward
@@ -64,7 +64,8 @@ from .._checks import check_bool
 from .._dtypes import autocast_output_dtype, capability, fp8_supported, has_autocast, to_dtype
 from .._warn import warn_once
 from .scaling import ATTENTION_P_SCALE as P_SCALE
-from .scaling import E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize
+from .scaling import (E4M3, Fp8, amax_to_scale, compute_amax, dequantize, quantize,
+                      transforms_active)
 
 HEAD_DIMS = (32, 64, 128, 256)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,6 +110,9 @@ def _why_not(query: Any, key: Any, value: Any, attn_mask: Optional[Tensor], drop
     qkv = (query, key, value)
     if not all(torch.is_tensor(t) for t in qkv):
         return "type", "query, key and value are not all tensors"
+    if transforms_active():
+        return "transform", ("a torch.func transform (vmap, grad, ...) is running: fp8's casts "
+                             "have no batching or forward-mode rules")
     if any(t.is_nested or t.layout != torch.strided for t in qkv):
         return "layout", "nested or sparse query, key or value"
     if any(t.dim() != 4 for t in qkv):

@@ -24,7 +24,8 @@ from .allgather import Fp8GatheredWeight
 from .checkpointed import checkpointed_scales
 from .config import Float8Config, Recipe
 from .histories import HISTORIES_IN_COMPILE, ROLE_NAMES, DelayedHistories
-from .scaling import E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed
+from .scaling import (E4M3, E5M2, Fp8, amax_to_scale, history_amax, quantize, quantize_delayed,
+                      refuse_transforms)
 
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2
 
@@ -256,7 +257,7 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     grad and records in the recomputation, which is the same where each layer runs once
     per backward. Not
     covered: checkpointing inside torch.compile, and a selective ``context_fn`` that
-    saves the casts' own ops. There is no double backward (it raises).
+    saves the casts' own ops. There is no double backward and no torch.func transform (both raise).
 
     Example:
         >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))
@@ -372,6 +373,8 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Float8Linear expected inputs with last dimension "
                              f"{self.in_features}, got shape {tuple(x.shape)}")
+        refuse_transforms("Float8Linear", "keep this layer out of fp8 "
+                          "(convert_to_fp8(..., module_filter=...))")
         if self._histories_pending and self._make_pending_histories() and is_compiling():
             # Dynamo makes the new histories in a graph of their own: made in the graph that
             # updates them in place, AOTAutograd's partitioner fails (torch 2.13).

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from .._torch_compat import is_compiling
+from .._torch_compat import functorch_active, is_compiling
 from .config import AmaxComputeAlgo
 
 E4M3 = torch.float8_e4m3fn
@@ -41,6 +41,22 @@ class Fp8(NamedTuple):
             # unit strides torch._scaled_mm checks for, where .t() would give (1, M).
             inv = inv.reshape(inv.shape[1], inv.shape[0])
         return Fp8(self.data.t(), inv)
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, ...) runs this eager call: the fp8 casts
+    are autograd.Functions without vmap or forward-mode rules. Traced code is left to
+    dynamo's own handling of autograd.Function."""
+    return not is_compiling() and functorch_active()
+
+
+def refuse_transforms(what: str, way_out: str) -> None:
+    """Raise a RuntimeError naming ``what`` and the way out under a torch.func transform,
+    where torch's own message names neither."""
+    if transforms_active():
+        raise RuntimeError(f"{what} does not run under torch.func transforms (vmap, grad, "
+                           f"jacrev, jvp, ...): its fp8 casts have no batching or forward-mode "
+                           f"rules; valid: {way_out}, or call it outside the transform")
 
 
 def fp8_max(dtype: torch.dtype) -> float:
