@@ -538,3 +538,21 @@ def test_kernels_on_gpu_match_the_emulation(dtype):
     assert out.dtype == dtype and sqnr(out, ref) > 30
     for got, t in zip(grads, (q, k, v)):
         assert sqnr(got, t.grad) > 40
+
+
+def test_the_kernels_grid_is_flat():
+    """batch * heads was the grid's second dimension, which CUDA caps at 65535 (2048
+    sequences of 32 heads failed to launch); the flat first dimension takes 2**31 - 1."""
+    kernels = pytest.importorskip("ampkit.fp8._attention_kernels")
+    assert kernels._grid(300, 64, 2048 * 32) == (5 * 65536,)
+    assert kernels._grid(0, 64, 8) == (0,)
+
+
+@pytest.mark.gpu
+@fp8_cuda
+def test_kernels_on_gpu_launch_more_heads_than_a_grid_dimension_holds():
+    q, k, v = qkv(4097, 16, 16, 16, 16, 64, torch.bfloat16, "cuda", grad=True)  # 65552 heads
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, emulate=False)
+    out.float().sum().backward()
+    ref = emulated(q.detach(), k.detach(), v.detach(), is_causal=True)
+    assert sqnr(out, ref) > 30 and all(t.grad.isfinite().all() for t in (q, k, v))

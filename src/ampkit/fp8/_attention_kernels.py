@@ -34,12 +34,16 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _program_heads(heads, kv_heads):
-    """This program's (batch x query head, batch, query head, key/value head), in 64 bits:
-    offsets of batch * heads * seq * dim elements may pass 2**31."""
-    bh = tl.program_id(1).to(tl.int64)
+def _program(heads, kv_heads, span, BLOCK: tl.constexpr):
+    """This program's first row of ``span`` (in blocks of BLOCK) and its (batch x query
+    head, batch, query head, key/value head), the latter in 64 bits: offsets of batch *
+    heads * seq * dim elements may pass 2**31. One flat grid, a head's blocks side by side
+    (see :func:`_grid`)."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(span, BLOCK)
+    bh = (pid // blocks).to(tl.int64)
     b, h = bh // heads, bh % heads
-    return bh, b, h, h // (heads // kv_heads)
+    return (pid % blocks) * BLOCK, bh, b, h, h // (heads // kv_heads)
 
 
 @triton.jit
@@ -82,8 +86,7 @@ def _forward_kernel(Q, K, V, QI, KI, VI, Out, Lse, sm_scale,
                     heads, kv_heads, length, k_length,
                     DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, P_MUL: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh, b, h, hk = _program_heads(heads, kv_heads)
+    start_m, bh, b, h, hk = _program(heads, kv_heads, length, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DIM)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
@@ -123,8 +126,7 @@ def _dkdv_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DK, DV, sm_scale,
                  heads, kv_heads, length, k_length,
                  DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh, b, h, hk = _program_heads(heads, kv_heads)
+    start_n, bh, b, h, hk = _program(heads, kv_heads, k_length, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, DIM)
     k = _load_dequantised(K + b * s_kb + hk * s_kh, offs_n, k_length, offs_d, s_kn,
@@ -160,8 +162,7 @@ def _dq_kernel(Q, K, V, QI, KI, VI, DO, Lse, Delta, DQ, sm_scale,
                heads, kv_heads, length, k_length,
                DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh, b, h, hk = _program_heads(heads, kv_heads)
+    start_m, bh, b, h, hk = _program(heads, kv_heads, length, BLOCK_M)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, DIM)
     rows = offs_m[:, None] < length
@@ -246,6 +247,13 @@ def _on_device(t: Tensor) -> Any:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _grid(span: int, block: int, heads: int) -> tuple[int]:
+    """One flat grid of ``cdiv(span, block) * heads`` programs: CUDA's first grid dimension
+    takes 2**31 - 1, its second only 65535, which batch * heads passes (2048 sequences of 32
+    heads); :func:`_program` reads a program's block and head back from its index."""
+    return (triton.cdiv(span, block) * heads,)
+
+
 def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Attention output (batch, heads, length, dim) in ``out_dtype`` and fp32 lse."""
@@ -259,9 +267,8 @@ def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lse = torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
     launch = forward_launch(dim)
-    grid = (triton.cdiv(length, launch.block_m), batch * heads)
     with _on_device(q):
-        _forward_kernel[grid](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
+        _forward_kernel[_grid(length, launch.block_m, batch * heads)](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
                               *_strides(q), *_strides(k), *_strides(v), v.stride(3),
                               *_strides(out), heads, kv_heads, length, k_length,
                               DIM=dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
@@ -290,8 +297,8 @@ def backward(grad_out: Tensor, q8: Fp8, k8: Fp8, v8: Fp8, out: Tensor, lse: Tens
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
     sizes = (heads, kv_heads, length, k_length)
     with _on_device(q):
-        _dkdv_kernel[(triton.cdiv(k_length, launch.block_n), batch * heads)](
+        _dkdv_kernel[_grid(k_length, launch.block_n, batch * heads)](
             q, k, v, *common, d_k, d_v, scale, *strides, *sizes, **meta)
-        _dq_kernel[(triton.cdiv(length, launch.block_m), batch * heads)](
+        _dq_kernel[_grid(length, launch.block_m, batch * heads)](
             q, k, v, *common, d_q, scale, *strides, *sizes, **meta)
     return d_q, d_k, d_v
