@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,32 @@ def test_a_larger_models_checkpoint_is_refused_before_anything_changes(one_rank,
         load_checkpoint(state, checkpoint_id=str(tmp_path))
     assert _same(before, _snapshot(model, optimizer, scaler, state))
     assert bool(optimizer.state) is not fresh
+
+
+@FSDP2
+def test_fp32_tensors_loaded_into_half_ones_are_warned_about(one_rank, tmp_path):
+    """A 16-mixed run (fp32 sharded params and Adam state) resumed as bf16-true was rounded
+    silently (distributed probe); the same policy resumes without a warning."""
+    model = shard(Net(), "16-mixed")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = ampkit.GradScaler("cpu", init_scale=2.0**8)
+    _steps(model, optimizer, scaler, 0, range(1))
+    dcp.save({"train": TrainState(model, optimizer, scaler)}, checkpoint_id=str(tmp_path))
+    same = shard(Net(), "16-mixed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint({"train": TrainState(same, torch.optim.AdamW(same.parameters()),
+                                             ampkit.GradScaler("cpu"))},
+                        checkpoint_id=str(tmp_path))
+    half = shard(Net(), "bf16-true")
+    with pytest.warns(UserWarning, match=r"load_checkpoint: \d+ tensor\(s\) of the checkpoint "
+                                         r"load into narrower ones of this run, e.g. "
+                                         r"'train.model.inp.weight': torch.float32 into "
+                                         r"torch.bfloat16; they are rounded"):
+        load_checkpoint({"train": TrainState(half, torch.optim.AdamW(half.parameters()),
+                                             ampkit.GradScaler("cpu"))},
+                        checkpoint_id=str(tmp_path))
+    assert half.inp.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kind", ["ddp_O1"])

@@ -24,6 +24,7 @@ rank has read everything: a damaged checkpoint is refused with the live state un
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -188,6 +189,7 @@ def load_checkpoint(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
                     and f"{key}.{FRESH_KEY}" not in saved):
                 targets[key].pop(FRESH_KEY, None)
         _check_shapes(targets, saved, whole)
+        _warn_narrowing(targets, saved)
         # A dict of plain values: DCP fills them (in place) and calls no load_state_dict.
         dcp.load(targets, checkpoint_id=checkpoint_id, **dcp_kwargs)
         for key in sorted(state_dict):  # DCP's order
@@ -240,6 +242,26 @@ def _check_shapes(targets: dict[str, Any], saved: Optional[dict[str, Any]],
         raise ValueError(f"load_checkpoint: the checkpoint has {len(extra)} tensor(s) this "
                          f"run has no place for, e.g. {extra[:3]}: it is another model's; "
                          "valid: a checkpoint of this model (nothing was loaded)")
+
+
+def _warn_narrowing(targets: dict[str, Any], saved: Optional[dict[str, Any]]) -> None:
+    """Warn where fp32 tensors of the checkpoint load into half ones of this run (a
+    16-mixed or O2 run resumed as O3 or bf16-true): DCP rounds them silently."""
+    if saved is None:
+        return
+    narrowed = []
+    for key, tensor in _flat_tensors(targets):
+        dtype = getattr(getattr(saved.get(key), "properties", None), "dtype", None)
+        if (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                and tensor.is_floating_point() and tensor.dtype.itemsize < dtype.itemsize):
+            narrowed.append((key, dtype, tensor.dtype))
+    if narrowed:
+        key, wide, narrow = narrowed[0]
+        warnings.warn(f"load_checkpoint: {len(narrowed)} tensor(s) of the checkpoint load "
+                      f"into narrower ones of this run, e.g. {key!r}: {wide} into {narrow}; "
+                      "they are rounded, so training does not continue as it would have. "
+                      "Resume with the policy that saved it (its parameter dtype) to continue "
+                      "exactly", stacklevel=3)
 
 
 def _flat_tensors(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
