@@ -267,8 +267,9 @@ def forward(q8: Fp8, k8: Fp8, v8: Fp8, causal: bool, scale: float,
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lse = torch.empty((batch, heads, length), dtype=torch.float32, device=q.device)
     launch = forward_launch(dim)
+    grid = _grid(length, launch.block_m, batch * heads)
     with _on_device(q):
-        _forward_kernel[_grid(length, launch.block_m, batch * heads)](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
+        _forward_kernel[grid](q, k, v, *_inverse_scales(q8, k8, v8), out, lse, scale,
                               *_strides(q), *_strides(k), *_strides(v), v.stride(3),
                               *_strides(out), heads, kv_heads, length, k_length,
                               DIM=dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,

@@ -257,7 +257,8 @@ class Float8Linear(DelayedHistories, AfterApply, nn.Linear):
     grad and records in the recomputation, which is the same where each layer runs once
     per backward. Not
     covered: checkpointing inside torch.compile, and a selective ``context_fn`` that
-    saves the casts' own ops. There is no double backward and no torch.func transform (both raise).
+    saves the casts' own ops. There is no double backward and no torch.func transform
+    (both raise).
 
     Example:
         >>> layer = Float8Linear(32, 16, config=Float8Config("tensorwise", emulate=True))

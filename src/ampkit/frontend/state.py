@@ -266,8 +266,7 @@ def _options(amp: _state.ActiveAmp) -> dict[str, Any]:
         patch_torch_functions=policy.autocast,
         keep_batchnorm_fp32=policy.keep_batchnorm_fp32 if half_params else None,
         master_weights=policy.master_weights,
-        loss_scale="dynamic" if amp.dynamic else amp.scalers[0].get_scale() if amp.scalers
-        else 1.0)
+        loss_scale=policy.loss_scale)  # as given: "dynamic", or the fixed scale
     return options
 
 
