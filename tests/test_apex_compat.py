@@ -164,6 +164,35 @@ def test_amp_state_opt_properties_after_a_disabled_initialize():
         "loss_scale": None}
 
 
+def _embedding_row_norms(keep: list[str]) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(3)  # rows of norm ~3: the forward renormalises the ones it reads
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0, keep_fp32=keep)
+    for step in range(3):
+        loss = model(torch.tensor([[1, 2, 3]])).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()["0.weight"][1:4].norm(dim=1)
+
+
+def test_o2_warns_that_an_embedding_s_max_norm_is_undone_and_keep_fp32_mends_it():
+    """The renorm of the half weight was overwritten by every step's copy of the masters,
+    silently: the saved rows kept norms of 2-3 where torch's stay at max_norm."""
+    with pytest.warns(UserWarning, match=r"'0' is an Embedding with max_norm=1.0: .*copies the "
+                                         r"fp32 master weights over them.*keep_fp32=\['0'\]"):
+        undone = _embedding_row_norms([])
+    assert (undone > 1.5).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = _embedding_row_norms(["0"])
+    assert (kept < 1.05).all()  # renormalised to 1 at each forward, then one small step
+
+
 # --- an exception inside scale_loss ---------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_exception_after_backward_drops_the_scaled_gradients(level):

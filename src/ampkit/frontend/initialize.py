@@ -86,6 +86,8 @@ def initialize(models: ModelArg, optimizers: Optional[OptimizerArg] = None, enab
         return models if optimizers is None else (models, optimizers)
     application.activate(log_level=log_level, opt_level=level)
     _warn_about_bf16_o3(level, policy)
+    if application.master_weights:
+        _warn_about_renormed_embeddings(application.models)
     logger.log(log_level, "ampkit.initialize: opt_level %s on %s, policy %s, %d loss scaler(s)",
                level, device_type, policy, len(application.scalers))
     return models if optimizers is None else (models, optimizers)
@@ -132,6 +134,24 @@ def _warn_about_bf16_o3(level: str, policy: Policy) -> None:
             "1/256 of a weight are lost, so small-learning-rate recipes that trained under "
             "apex's fp16 O3 can stall. Pass half_dtype=torch.float16 for apex's O3, or use "
             "opt_level='O2' for fp32 master weights", UserWarning, stacklevel=3)
+
+
+def _warn_about_renormed_embeddings(models: list[torch.nn.Module]) -> None:
+    """An Embedding with ``max_norm`` renormalises the rows it looks up in place, in the
+    half weight; each step copies the fp32 masters over it, so the renorm never lasts and
+    the masters, which ``state_dict`` saves, grow unbounded rows."""
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                    and module.max_norm is not None and module.weight.dtype in HALF_DTYPES):
+                where = name if len(models) == 1 else f"models[{i}].{name}"
+                warnings.warn(
+                    f"ampkit.initialize: {where!r} is an {type(module).__name__} with max_norm="
+                    f"{module.max_norm}: its forward renormalises rows of the half weight in "
+                    "place, and each step copies the fp32 master weights over them, so rows are "
+                    "never renormalised as in fp32 training (nor in the state_dict). Keep it "
+                    f"fp32: initialize(..., keep_fp32=[{name!r}])", UserWarning, stacklevel=3)
+                return
 
 
 # --- initialize: the policy and the loss scalers -------------------------------------------
