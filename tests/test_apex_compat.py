@@ -193,6 +193,24 @@ def test_o2_warns_that_an_embedding_s_max_norm_is_undone_and_keep_fp32_mends_it(
     assert (kept < 1.05).all()  # renormalised to 1 at each forward, then one small step
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_complex_parameter_trains_under_dynamic_loss_scaling(level):
+    """The first scale_loss exit raised torch's NotImplementedError for ComplexFloat."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_parameter("spectrum", nn.Parameter(torch.randn(4, dtype=torch.complex64)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=level, half_dtype=F16, verbosity=0)
+    before = model.spectrum.detach().clone()
+    out = model(torch.randn(2, 4)).float()
+    loss = (torch.fft.ifft(torch.fft.fft(out) * model.spectrum).real ** 2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert model.spectrum.dtype == torch.complex64 and not torch.equal(model.spectrum, before)
+    assert torch.isfinite(torch.view_as_real(model.spectrum)).all()
+
+
 # --- an exception inside scale_loss ---------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_exception_after_backward_drops_the_scaled_gradients(level):

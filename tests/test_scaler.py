@@ -385,6 +385,30 @@ def test_unscale_grads_groups_dtypes_and_accumulates_found_inf():
     assert found.item() == 1.0  # accumulates: never reset by a clean call
 
 
+@pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
+def test_complex_gradients_are_unscaled_through_their_real_view(overflow):
+    """torch's unscale kernel takes no complex dtype: a model with a complex parameter
+    raised NotImplementedError at the first unscale (torch.amp.GradScaler still does)."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    loss = lambda: (torch.fft.ifft(torch.fft.fft(torch.ones(4)) * weight).real  # noqa: E731
+                    * torch.arange(4.0)).sum() * (float("inf") if overflow else 1.0)
+    loss().backward()
+    expected, weight.grad = weight.grad, None
+    opt = torch.optim.SGD([weight], lr=0.1)
+    before = weight.detach().clone()
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(loss()).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    if overflow:
+        assert torch.equal(weight.detach(), before) and scaler.get_scale() == 2.0**9
+    else:
+        assert weight.grad.dtype == torch.complex64 and torch.equal(weight.grad, expected)
+        assert torch.equal(weight.detach(), before - 0.1 * expected)
+
+
 def test_sparse_gradients_are_unscaled_like_torch():
     def setup():
         p = nn.Parameter(torch.zeros(3, dtype=torch.float16))

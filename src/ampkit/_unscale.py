@@ -2,7 +2,8 @@
 
 One fused kernel (torch's ``_amp_foreach_non_finite_check_and_unscale_``) per
 (device, dtype) group, grouped in C++; fp32, fp16 and bf16 gradients alike; sparse
-gradients have their values unscaled. Used by ``GradScaler`` and ``scale_loss``.
+gradients have their values unscaled, complex ones their real view (torch's kernel takes
+no complex dtype, so torch's GradScaler raises there). Used by ``GradScaler`` and ``scale_loss``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
     grad_mode = torch.is_grad_enabled()
     torch.set_grad_enabled(False)
     try:
-        for (device, _dtype), ((group, *_), _indices) in groups.items():
+        for (device, dtype), ((group, *_), _indices) in groups.items():
+            if dtype.is_complex:  # torch's kernel has none: the same floats, viewed as real
+                group = [torch.view_as_real(g) for g in group]
             if device not in found_per_device:
                 found_per_device[device] = (found_inf if device == found_inf.device
                                             else torch.zeros((), dtype=torch.float32, device=device))
