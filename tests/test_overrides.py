@@ -790,3 +790,44 @@ def test_inplace_true_with_the_tensor_given_by_keyword():
     with autocast("cpu", dtype=torch.bfloat16):
         assert F.relu(input=x, inplace=True) is x
     assert torch.equal(x, expected)
+
+
+class _CountingNamespace:
+    """A namespace that counts the writes to its attributes (putting an override in place)."""
+
+    writes = 0
+
+    def __setattr__(self, name, value):
+        type(self).writes += 1
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        type(self).writes += 1
+        object.__delattr__(self, name)
+
+
+def test_a_disabled_region_puts_no_override_in_place():
+    """Each kept module's forward under O2 is an outermost disabled region: it put every
+    registered override in place and back (2 writes per registration per module per step)."""
+    ns = _CountingNamespace()
+    ns.scale = lambda t: t * 2
+    handle = ampkit.register_float_function(ns, "scale")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+        ampkit.keep_fp32(model, ["1"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ampkit.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+        _CountingNamespace.writes = 0
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+        with autocast("cpu", enabled=False):
+            assert ns.scale(torch.ones(1)).dtype == torch.float32
+        assert _CountingNamespace.writes == 0
+        with autocast("cpu", dtype=torch.bfloat16):  # an enabled region puts it in place
+            assert ns.scale(torch.ones(1, dtype=torch.bfloat16)).dtype == torch.float32
+            with autocast("cpu", enabled=False):  # nested: the outer one's stays
+                assert ns.scale(torch.ones(1, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        assert _CountingNamespace.writes == 2
+    finally:
+        handle.remove()

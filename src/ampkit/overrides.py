@@ -57,7 +57,8 @@ class _Frame(NamedTuple):
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        # (device_type, dtype, enabled, counted): counted in _open_regions (entered eagerly)
+        # (device_type, dtype, enabled, counted): counted in _open_regions (entered eagerly
+        # and enabled)
         self.frames: list[tuple[str, torch.dtype, bool, bool]] = []
 
 
@@ -75,15 +76,22 @@ _registry: dict[tuple[int, str], "Registration"] = {}
 
 # --- per-thread autocast frames (pushed and popped by ampkit.autocast) -------------------
 def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-    """Enter an ampkit.autocast region in this thread (installs overrides on the first).
+    """Enter an ampkit.autocast region in this thread (installs overrides on the first
+    enabled one).
 
-    While torch.compile traces, only this thread's frame is pushed: dynamo would replay a
-    write to the process-wide ``_open_regions`` after every call of the graph as the whole
-    list it traced, erasing other threads' regions meanwhile, and it guards on module
-    attributes it read, so nothing may be put in place either. Where registered
-    overrides are not in place already (no region is open outside the compiled function),
-    the graph breaks here, and the region is entered eagerly.
+    A disabled region (``enabled=False``; each module ``keep_fp32`` selected runs in one)
+    only pushes this thread's frame: no override acts inside it, so nothing is put in
+    place for it, which would cost a setattr per registration at every kept module's
+    forward under O2. While torch.compile traces, only this thread's frame is pushed:
+    dynamo would replay a write to the process-wide ``_open_regions`` after every call of
+    the graph as the whole list it traced, erasing other threads' regions meanwhile, and
+    it guards on module attributes it read, so nothing may be put in place either. Where
+    registered overrides are not in place already (no region is open outside the
+    compiled function), the graph breaks here, and the region is entered eagerly.
     """
+    if not enabled:
+        _local.frames.append((device_type, dtype, False, False))
+        return
     if is_compiling():
         if _registry and not _installed:
             graph_break("ampkit.autocast: overrides are registered and must be put in place "
@@ -104,7 +112,7 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
 def pop_frame() -> None:
     """Leave the innermost ampkit.autocast region of this thread."""
     if not _local.frames.pop()[3]:
-        return  # entered while dynamo traced: never counted
+        return  # disabled, or entered while dynamo traced: never counted
     _open_regions.pop()
     if _registry and not _open_regions:
         _sync_installed_locked()
