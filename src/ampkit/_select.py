@@ -13,7 +13,7 @@ from torch import nn
 Selector = Union[str, type, Callable[[str, nn.Module], bool]]
 Modules = Union[Selector, Sequence[Selector]]
 
-__all__ = ["Modules", "Selector", "as_selectors", "matching", "patterns_selecting"]
+__all__ = ["Matcher", "Modules", "Selector", "as_selectors", "matching", "patterns_selecting"]
 
 
 def matching(model: nn.Module, selector: Selector) -> list[str]:
@@ -21,17 +21,34 @@ def matching(model: nn.Module, selector: Selector) -> list[str]:
     the one name ``named_modules()`` gives it (the root is ""). Every name of a module
     counts: one used twice (``self.dec = self.enc``) matches by either. ``keep_fp32`` and
     ``distributed.shard`` select modules by this one rule."""
-    canonical = {id(module): name for name, module in model.named_modules()}
-    hits = {canonical[id(module)] for name, module in model.named_modules(remove_duplicate=False)
-            if _matches(selector, name, module)}
-    return [name for name in canonical.values() if name in hits]
+    return Matcher(model).hits(selector)
+
+
+class Matcher:
+    """:func:`matching` for many selectors over one model: its modules are listed once,
+    and a plain name (no ``*``, ``?`` or ``[``) is looked up, not compared with every
+    name (``keep_fp32`` of 800 names walked the model 1600 times)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.canonical = {id(module): name for name, module in model.named_modules()}
+        self.named = list(model.named_modules(remove_duplicate=False))
+        self.by_name = {name: module for name, module in self.named}
+
+    def hits(self, selector: Selector) -> list[str]:
+        if isinstance(selector, str) and not any(c in selector for c in "*?["):
+            module = self.by_name.get(selector)
+            return [] if module is None else [self.canonical[id(module)]]
+        found = {self.canonical[id(module)] for name, module in self.named
+                 if _matches(selector, name, module)}
+        return [name for name in self.canonical.values() if name in found]
 
 
 def patterns_selecting(model: nn.Module, names: list[str]) -> list[str]:
     """``keep_fp32`` patterns selecting exactly ``names`` (for advice): one ``*.<last>``
     per last name component where that selects no other module, else the names."""
     patterns = sorted({f"*.{n.rpartition('.')[2]}" if "." in n else n for n in names})
-    chosen = {hit for pattern in patterns for hit in matching(model, pattern)}
+    matcher = Matcher(model)
+    chosen = {hit for pattern in patterns for hit in matcher.hits(pattern)}
     return patterns if chosen == set(names) else names
 
 

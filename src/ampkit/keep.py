@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._dtypes import HALF_DTYPES
 from ._kept_region import Fp32Region, KeptForward
-from ._select import Modules, Selector, as_selectors, matching
+from ._select import Matcher, Modules, Selector, as_selectors
 from ._sharding import is_sharded
 from .convert import conversion_of
 
@@ -184,10 +184,11 @@ def select(model: nn.Module, modules: Modules, *, strict: bool = True) -> list[s
     real module names.
     """
     chosen: set[str] = set()
+    matcher = Matcher(model)
     for selector in as_selectors(modules):
-        hits = matching(model, selector)
+        hits = matcher.hits(selector)
         if strict and not hits and isinstance(selector, str):
-            named = [name for name, _ in model.named_modules(remove_duplicate=False)]
+            named = [name for name, _ in matcher.named]
             examples = ", ".join(repr(name) for name in named[1:7]) or "'' (the root; no submodules)"
             raise ValueError(f"keep_fp32: {_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or patterns over "
@@ -260,10 +261,9 @@ def follow_conversion(model: nn.Module) -> None:
     handle = conversion_of(model)
     around = handle.cast_param if handle is not None else None
     modules = [model.get_submodule(name) for name in kept.names]
+    inside = {id(sub) for outer in modules for sub in outer.modules() if sub is not outer}
     for module, region in zip(modules, kept.regions):
-        nested = any(outer is not module and any(sub is module for sub in outer.modules())
-                     for outer in modules)
-        region.around = None if nested else around
+        region.around = None if id(module) in inside else around  # nested: fp32 around
 
 
 def kept_names(model: nn.Module) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import keep
-from .._select import Modules, Selector, as_selectors, matching
+from .._select import Matcher, Modules, Selector, as_selectors
 from .._dtypes import FLOAT_DTYPES, HALF_DTYPES, resolve_dtype
 from .._tables import warn_buffer_tables
 from .._torch_compat import fsdp2
@@ -179,8 +179,9 @@ def _select_blocks(model: nn.Module, modules: Optional[Modules]) -> list[str]:
     if modules is None:
         return _default_blocks(model, named)
     names: list[str] = []
+    matcher = Matcher(model)
     for selector in as_selectors(modules, what="shard: modules item "):
-        hits = [name for name in matching(model, selector) if name]
+        hits = [name for name in matcher.hits(selector) if name]
         if not hits:
             raise ValueError(f"shard: modules={_describe(selector)} matches no module of "
                              f"{type(model).__name__}; valid: names or fnmatch patterns over "

@@ -216,10 +216,17 @@ def _histories_per_rank(model: nn.Module) -> nn.Module:
     forward, and a rank would then scale its activations and gradients by rank 0's amaxes
     (and saturate where its own are larger). Each rank keeps the history of what it saw."""
     histories = [name for name, _ in model.named_buffers() if ".amax_history_" in f".{name}"]
-    if histories:
-        for prefix, module in model.named_modules():
-            start = f"{prefix}." if prefix else ""
-            ddp_ignore(module, [n[len(start):] for n in histories if n.startswith(start)])
+    if not histories:
+        return model
+    # Each history under every module above it (its name relative to that module): one
+    # pass over the names' prefixes, not over every name per module.
+    under: dict[str, list[str]] = {}
+    for name in histories:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            under.setdefault(".".join(parts[:i]), []).append(".".join(parts[i:]))
+    for prefix, module in model.named_modules():
+        ddp_ignore(module, under.get(prefix, []))
     return model
 
 
