@@ -42,6 +42,7 @@ class ActiveAmp:
             growth tracker, and this list is empty). Filled by ``initialize``.
         opt_level: the opt level ``initialize`` was given ("O0".."O3"; None when
             ``TuneResult.apply`` configured the policy).
+        replaced_warned: ``scale_loss`` warned that a later initialize replaced this one.
     """
 
     device_type: str
@@ -55,6 +56,7 @@ class ActiveAmp:
     scale_windows: dict[int, Any] = field(default_factory=dict)
     fixed_unskipped: list[int] = field(default_factory=list)
     opt_level: Optional[str] = None
+    replaced_warned: bool = False
 
     @property
     def dynamic(self) -> bool:

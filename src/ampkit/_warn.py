@@ -19,11 +19,20 @@ _given: set = set()
 
 
 def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn ``message`` unless a warning with ``key`` was given before in this process."""
+    """Warn ``message`` unless a warning with ``key`` was given before in this process.
+
+    ``key`` must name a kind of warning, not an object: keys stay for the whole process
+    (a warning once per object keeps its flag on that object and calls :func:`warn`)."""
     if key in _given or is_compiling():  # dynamo cannot trace the frame walk below
         return
     _given.add(key)
     warnings.warn(message, category, stacklevel=_caller_stacklevel())
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn ``message`` at the user's own line (none while dynamo traces)."""
+    if not is_compiling():
+        warnings.warn(message, category, stacklevel=_caller_stacklevel())
 
 
 def forget() -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import _state
-from .._warn import warn_once
+from .._warn import warn
 from ..optim import ORPHAN_MESSAGE, AmpStash, as_optimizers, is_orphan, stash_of
 
 
@@ -33,9 +33,13 @@ REPLACED = (
 
 
 def warn_if_replaced(i: int, opt: Any, stash: Optional[AmpStash], amp: Any) -> None:
-    if stash is not None and stash.prepared_by is not amp and stash.prepared_by is not None:
-        warn_once(("scale_loss-replaced", id(stash.prepared_by)),
-                  REPLACED.format(i=i, name=type(opt).__name__))
+    """Once per replaced initialize: its flag lives on its state (a key by id() in a
+    process-wide set grew with every replaced initialize, and a new state given a freed
+    one's id was never warned about)."""
+    replaced = None if stash is None else stash.prepared_by
+    if replaced is not None and replaced is not amp and not replaced.replaced_warned:
+        replaced.replaced_warned = True
+        warn(REPLACED.format(i=i, name=type(opt).__name__))
 
 
 def check_scale_loss(loss: Any, optimizers: Any, loss_id: Any, amp: _state.ActiveAmp
