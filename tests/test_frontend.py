@@ -1140,6 +1140,29 @@ def test_an_overflow_is_counted_once_when_model_zero_grad_clears_the_grads(level
                for a, b in zip(window, other))
 
 
+@pytest.mark.parametrize("first", ["delay_overflow_check", "plain"])
+def test_grads_a_fused_step_skipped_are_checked_by_an_exit_whose_flag_counts(first):
+    """An overflowing fused step keeps its inf grads (no zero_grad after it); an exit with
+    delay_overflow_check re-checked them into a flag nothing reads, then marked them
+    checked: the next exit did not flag them and the step wrote NaN (review finding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    initialize(model, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0)
+    x = torch.randn(8, 4)
+    with scale_loss(model(x).float().mean() * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.step()  # skipped on the device; the inf grads stay
+    before = [p.detach().clone() for p in model.parameters()]
+    with scale_loss(model(x).float().mean(), opt,
+                    delay_overflow_check=first == "delay_overflow_check") as scaled:
+        scaled.backward()
+    with scale_loss(model(x).float().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_a_gan_losses_overflow_backs_off_its_own_scaler_only():
     """apex's DCGAN example (num_losses=3, netD.zero_grad()): the overflow of loss 0 was
     counted again by loss 1's exit into the same optimizer, halving scaler 1 too."""
