@@ -385,15 +385,20 @@ def test_unscale_grads_groups_dtypes_and_accumulates_found_inf():
     assert found.item() == 1.0  # accumulates: never reset by a clean call
 
 
+@pytest.mark.parametrize("conj", [False, True], ids=["plain", "conj"])
 @pytest.mark.parametrize("overflow", [False, True], ids=["clean", "overflow"])
-def test_complex_gradients_are_unscaled_through_their_real_view(overflow):
+def test_complex_gradients_are_unscaled_through_their_real_view(overflow, conj):
     """torch's unscale kernel takes no complex dtype: a model with a complex parameter
-    raised NotImplementedError at the first unscale (torch.amp.GradScaler still does)."""
+    raised NotImplementedError at the first unscale (torch.amp.GradScaler still does); a
+    parameter used as p.conj() gets a lazily conjugated grad, which view_as_real refuses
+    (review finding)."""
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-    loss = lambda: (torch.fft.ifft(torch.fft.fft(torch.ones(4)) * weight).real  # noqa: E731
+    used = (lambda: weight.conj()) if conj else (lambda: weight)
+    loss = lambda: (torch.fft.ifft(torch.fft.fft(torch.ones(4)) * used()).real  # noqa: E731
                     * torch.arange(4.0)).sum() * (float("inf") if overflow else 1.0)
     loss().backward()
+    assert weight.grad.is_conj() == conj
     expected, weight.grad = weight.grad, None
     opt = torch.optim.SGD([weight], lr=0.1)
     before = weight.detach().clone()

@@ -28,6 +28,13 @@ def _dense_values(grad: Tensor) -> Tensor:
     return sparse_values(grad)
 
 
+def _real_view(grad: Tensor) -> Tensor:
+    """A complex gradient's floats as a real view of its memory. A lazily conjugated one
+    (autograd gives the grad of a parameter used as ``p.conj()`` so) is viewed through its
+    conjugate, the same memory: a real scale and an inf check act alike on both."""
+    return torch.view_as_real(grad.conj() if grad.is_conj() else grad)
+
+
 def _check_and_unscale(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     try:
         amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
@@ -67,7 +74,7 @@ def unscale_per_device(grads: list[Tensor], inv_scale: Tensor,
     try:
         for (device, dtype), ((group, *_), _indices) in groups.items():
             if dtype.is_complex:  # torch's kernel has none: the same floats, viewed as real
-                group = [torch.view_as_real(g) for g in group]
+                group = [_real_view(g) for g in group]
             if device not in found_per_device:
                 found_per_device[device] = (found_inf if device == found_inf.device
                                             else torch.zeros((), dtype=torch.float32, device=device))
