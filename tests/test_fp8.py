@@ -363,6 +363,19 @@ def test_torch_func_transforms_raise_naming_the_layer_and_the_way_out(recipe):
     assert torch.func.functional_call(fp8, params, (x,)).shape == (3, 4, 32)  # no transform
 
 
+def test_torch_func_transforms_of_a_compiled_layer_raise_naming_it_too():
+    """Under torch.compile the refusal was skipped: dynamo's InternalTorchDynamoError about
+    vmap over ApplyTemplate named neither the layer nor the way out (review finding)."""
+    _, fp8 = layer_pair("tensorwise")
+    x = torch.randn(3, 4, 64)
+    for call in (torch.compile(torch.func.vmap(fp8), backend="aot_eager"),
+                 torch.func.vmap(torch.compile(fp8, backend="aot_eager"))):
+        with pytest.raises(RuntimeError, match=r"Float8Linear does not run under torch.func"):
+            call(x)
+    compiled = torch.compile(fp8, backend="aot_eager", fullgraph=True)  # no transform: whole
+    assert torch.equal(compiled(x), fp8(x))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_double_backward_raises_instead_of_dropping_the_weights_path(recipe):
     """A gradient penalty (create_graph=True) got gradients built from detached fp8

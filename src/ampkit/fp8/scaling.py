@@ -44,15 +44,16 @@ class Fp8(NamedTuple):
 
 
 def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, ...) runs this eager call: the fp8 casts
-    are autograd.Functions without vmap or forward-mode rules. Traced code is left to
-    dynamo's own handling of autograd.Function."""
-    return not is_compiling() and functorch_active()
+    """Whether a torch.func transform (vmap, grad, ...) runs this call: the fp8 casts are
+    autograd.Functions without vmap or forward-mode rules. Dynamo reads the flag as a
+    constant of the trace (no graph break), so ``torch.compile(vmap(layer))`` is refused
+    by name too."""
+    return functorch_active()
 
 
 def refuse_transforms(what: str, way_out: str) -> None:
     """Raise a RuntimeError naming ``what`` and the way out under a torch.func transform,
-    where torch's own message names neither."""
+    where torch's (or dynamo's) own message names neither."""
     if transforms_active():
         raise RuntimeError(f"{what} does not run under torch.func transforms (vmap, grad, "
                            f"jacrev, jvp, ...): its fp8 casts have no batching or forward-mode "
