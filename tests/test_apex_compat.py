@@ -136,7 +136,7 @@ def test_amp_state_refuses_what_it_would_silently_drop():
     ("O0", dict(cast_model_type=torch.float32, patch_torch_functions=False,
                 keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0)),
     ("O1", dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
-                master_weights=False, loss_scale="dynamic")),
+                master_weights=None, loss_scale="dynamic")),
     ("O2", dict(cast_model_type=F16, patch_torch_functions=False, keep_batchnorm_fp32=True,
                 master_weights=True, loss_scale="dynamic")),
     ("O3", dict(cast_model_type=F16, patch_torch_functions=False, keep_batchnorm_fp32=False,
@@ -154,14 +154,27 @@ def test_amp_state_opt_properties_are_apex_s_for_each_level(level, expected):
         props.master_weights = True
     with pytest.raises(AttributeError, match=r"opt_properties.handle is not part of .*opt_level"):
         props.handle
+    with pytest.raises(TypeError):
+        props.options["master_weights"] = True  # read-only too: a write would be lost
 
 
 def test_amp_state_opt_properties_after_a_disabled_initialize():
     _init("O2", enabled=False)
-    assert amp._amp_state.opt_properties.options == {
-        "enabled": False, "opt_level": "O2", "cast_model_type": None,
-        "patch_torch_functions": None, "keep_batchnorm_fp32": None, "master_weights": None,
-        "loss_scale": None}
+    assert amp._amp_state.opt_properties.options == {  # apex's Properties() defaults
+        "enabled": False, "opt_level": None, "cast_model_type": None,
+        "patch_torch_functions": False, "keep_batchnorm_fp32": None, "master_weights": None,
+        "loss_scale": 1.0}
+
+
+def test_amp_state_loss_scaler_views_copy_and_pickle():
+    """With __slots__ and the refusing __setattr__, copy.copy and pickle raised a misleading
+    AttributeError (review finding)."""
+    import copy
+    import pickle
+    _init("O1", F16)
+    scaler = amp._amp_state.loss_scalers[0]
+    for other in (copy.copy(scaler), copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert other.loss_scale() == 2.0**16 and other._scale_seq_len == 2000
 
 
 def _embedding_row_norms(keep: list[str]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -205,6 +206,11 @@ class _LossScaler:
         # apex grew the scale when _unskipped reached it: torch's growth interval.
         self._scaler.set_growth_interval(int(check_int("_scale_seq_len", value, 1, INT32_MAX)))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies and pickles are rebuilt through __init__ (a shallow copy views the same
+        # scaler); the slots cannot be set through __setattr__, which refuses them.
+        return _LossScaler, (self._amp, self._loss_id)
+
     def _set(self, **entries: Any) -> None:
         state = self._scaler.state_dict()
         state.update(entries)
@@ -237,7 +243,7 @@ class _Properties:
     __slots__ = ("options",)
 
     def __init__(self, amp: _state.ActiveAmp) -> None:
-        object.__setattr__(self, "options", _options(amp))
+        object.__setattr__(self, "options", types.MappingProxyType(_options(amp)))
 
     def __getattr__(self, name: str) -> Any:
         options = object.__getattribute__(self, "options")
@@ -252,20 +258,23 @@ class _Properties:
 
 
 def _options(amp: _state.ActiveAmp) -> dict[str, Any]:
-    options: dict[str, Any] = dict.fromkeys(
-        ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
-         "keep_batchnorm_fp32", "master_weights", "loss_scale"))
-    options.update(enabled=amp.enabled, opt_level=amp.opt_level)
+    # apex's Properties() defaults: what initialize(enabled=False) leaves.
+    options: dict[str, Any] = {"enabled": False, "opt_level": None, "cast_model_type": None,
+                               "patch_torch_functions": False, "keep_batchnorm_fp32": None,
+                               "master_weights": None, "loss_scale": 1.0}
     policy = amp.policy
     if not amp.enabled or policy is None:
-        return options  # apex's Properties() after initialize(enabled=False)
+        return options
     half_params = policy.param_dtype != torch.float32
+    autocast_only = policy.autocast and not half_params  # O1's kind: nothing cast
     options.update(
+        enabled=True, opt_level=amp.opt_level,
         # O1 casts no model (None); O0 names fp32, O2/O3 the half dtype.
-        cast_model_type=None if policy.autocast and not half_params else policy.param_dtype,
+        cast_model_type=None if autocast_only else policy.param_dtype,
         patch_torch_functions=policy.autocast,
         keep_batchnorm_fp32=policy.keep_batchnorm_fp32 if half_params else None,
-        master_weights=policy.master_weights,
+        master_weights=None if autocast_only and not policy.master_weights
+        else policy.master_weights,  # O1: None, as apex's
         loss_scale=policy.loss_scale)  # as given: "dynamic", or the fixed scale
     return options
 
