@@ -196,8 +196,8 @@ def _embedding_row_norms(keep: list[str]) -> torch.Tensor:
 def test_o2_warns_that_an_embedding_s_max_norm_is_undone_and_keep_fp32_mends_it():
     """The renorm of the half weight was overwritten by every step's copy of the masters,
     silently: the saved rows kept norms of 2-3 where torch's stay at max_norm."""
-    with pytest.warns(UserWarning, match=r"'0' is an Embedding with max_norm=1.0: .*copies the "
-                                         r"fp32 master weights over them.*keep_fp32=\['0'\]"):
+    with pytest.warns(UserWarning, match=r"initialize: 0 \(Embedding, max_norm=1.0\): .*copies "
+                                         r"the fp32 master weights over them.*keep_fp32=\['0'\]"):
         undone = _embedding_row_norms([])
     assert (undone > 1.5).all()
     with warnings.catch_warnings():
@@ -222,6 +222,20 @@ def test_a_complex_parameter_trains_under_dynamic_loss_scaling(level):
     opt.step()
     assert model.spectrum.dtype == torch.complex64 and not torch.equal(model.spectrum, before)
     assert torch.isfinite(torch.view_as_real(model.spectrum)).all()
+
+
+def test_the_max_norm_warning_names_every_embedding_of_every_model():
+    models = [nn.Sequential(nn.Embedding(8, 4, max_norm=1.0), nn.EmbeddingBag(8, 4, max_norm=2.0)),
+              nn.Embedding(8, 4, max_norm=3.0)]
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    with pytest.warns(UserWarning) as record:
+        amp.initialize(models, opt, opt_level="O2", half_dtype=BF16, verbosity=0)
+    messages = [str(w.message) for w in record if "max_norm" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith(
+        "ampkit.initialize: models[0].0 (Embedding, max_norm=1.0), models[0].1 (EmbeddingBag, "
+        "max_norm=2.0), models[1] (Embedding, max_norm=3.0): ")
+    assert messages[0].endswith("ampkit.keep_fp32(model, [...]) on each model with these "
+                                "names, before initialize")
 
 
 # --- an exception inside scale_loss ---------------------------------------------------------

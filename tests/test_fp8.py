@@ -74,7 +74,7 @@ def test_config_coerces_strings_to_enums_once():
     ({"amax_history_len": 2.0}, TypeError, r"amax_history_len must be an int >= 1, got float 2.0"),
     ({"margin": -1}, ValueError, r"margin=-1 is invalid; valid: an int from 0 to 14 \(the amax"),
     ({"margin": 20}, ValueError, r"margin=20 is invalid; valid: an int from 0 to 14 \(the amax "
-                                 r"lands 20 binades below e4m3's 448; .* from 18 on every value is 0"),
+                                 r"lands 20 binades below e4m3's 448; .* from 19 on every value is 0"),
     ({"margin": 2**10}, ValueError, r"margin=1024 is invalid; valid: an int from 0 to 14"),
     ({"margin": True}, TypeError, r"margin must be an int from 0 to 14, got bool True"),
     ({"amax_compute_algo": "mean"}, ValueError,

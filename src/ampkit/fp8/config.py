@@ -81,8 +81,9 @@ def _to_enum(enum: type[Enum], value: object, what: str) -> Enum:
 
 
 # The largest margin that still casts a tensor's amax to a normal e4m3 value: 448 / 2**14
-# is above e4m3's smallest normal, 2**-6; at 18 every value flushes to zero, and at a few
-# hundred the fp32 scale itself underflows (NaN outputs).
+# is above e4m3's smallest normal, 2**-6; from 19 on every value flushes to zero (448 /
+# 2**19 is below half of the smallest subnormal, 2**-9), and at a few hundred the fp32
+# scale itself underflows (NaN outputs).
 MAX_MARGIN = 14
 
 
@@ -132,7 +133,7 @@ class Float8Config:
         _check_int(self.amax_history_len, "amax_history_len", 1)
         _check_int(self.margin, "margin", 0, MAX_MARGIN,
                    f" (the amax lands {self.margin} binades below e4m3's 448; from 15 on it "
-                   "is cast below e4m3's smallest normal, from 18 on every value is 0)")
+                   "is cast below e4m3's smallest normal, from 19 on every value is 0)")
         if self.emulate is not None and not isinstance(self.emulate, bool):
             raise TypeError(f"emulate must be None, True or False, got {self.emulate!r}")
         if not isinstance(self.output_fast_accum, bool):

@@ -139,19 +139,31 @@ def _warn_about_bf16_o3(level: str, policy: Policy) -> None:
 def _warn_about_renormed_embeddings(models: list[torch.nn.Module]) -> None:
     """An Embedding with ``max_norm`` renormalises the rows it looks up in place, in the
     half weight; each step copies the fp32 masters over it, so the renorm never lasts and
-    the masters, which ``state_dict`` saves, grow unbounded rows."""
-    for i, model in enumerate(models):
-        for name, module in model.named_modules():
-            if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-                    and module.max_norm is not None and module.weight.dtype in HALF_DTYPES):
-                where = name if len(models) == 1 else f"models[{i}].{name}"
-                warnings.warn(
-                    f"ampkit.initialize: {where!r} is an {type(module).__name__} with max_norm="
-                    f"{module.max_norm}: its forward renormalises rows of the half weight in "
-                    "place, and each step copies the fp32 master weights over them, so rows are "
-                    "never renormalised as in fp32 training (nor in the state_dict). Keep it "
-                    f"fp32: initialize(..., keep_fp32=[{name!r}])", UserWarning, stacklevel=3)
-                return
+    the masters, which ``state_dict`` saves, grow unbounded rows. One warning naming them
+    all (per model where there are several)."""
+    found = [(i, name, module) for i, model in enumerate(models)
+             for name, module in model.named_modules()
+             if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+             and module.max_norm is not None and module.weight.dtype in HALF_DTYPES]
+    if not found:
+        return
+    several = len(models) > 1
+
+    def label(i: int, name: str) -> str:
+        if several:
+            return f"models[{i}]" + (f".{name}" if name else "")
+        return name or "the model"
+
+    named = ", ".join(f"{label(i, name)} ({type(module).__name__}, max_norm={module.max_norm})"
+                      for i, name, module in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    fix = ("ampkit.keep_fp32(model, [...]) on each model with these names, before initialize"
+           if several else f"initialize(..., keep_fp32={[name for _, name, _ in found]!r})")
+    warnings.warn(
+        f"ampkit.initialize: {named}{more}: an embedding with max_norm renormalises rows of "
+        "its half weight in place in the forward, and each step copies the fp32 master "
+        "weights over them, so rows are never renormalised as in fp32 training (nor in the "
+        f"state_dict). Keep them fp32: {fix}", UserWarning, stacklevel=3)
 
 
 # --- initialize: the policy and the loss scalers -------------------------------------------
