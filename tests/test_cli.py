@@ -535,6 +535,26 @@ def test_a_seed_beyond_int64_exits_2_naming_it(capsys, command):
         capsys.readouterr().err
 
 
+def test_train_runs_a_small_model_on_one_thread_and_takes_threads(tmp_path, capsys):
+    """train had no --threads and ran on torch's default: two OpenMP threads on a busy
+    2-core machine made an epoch 20-40 times slower than one (new-user probe)."""
+    before = torch.get_num_threads()
+    out = tmp_path / "train.json"
+    assert main(["train", "--data", "synthetic", "--epochs", "1", "--quiet", "--json",
+                 str(out)]) == 0
+    log = json.loads(out.read_text())
+    assert log["threads"] == 1 and log["threads_reason"].startswith("1: a small model")
+    assert torch.get_num_threads() == before  # restored
+    assert main(["train", "--data", "synthetic", "--epochs", "1", "--quiet", "--threads", "1",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["threads_reason"] == "1, as asked (--threads)"
+    capsys.readouterr()
+    assert main(["train", "--threads", "0"]) == 2
+    assert "--threads must be an int in [1, " in capsys.readouterr().err
+    assert main(["train", "--threads", "1", "--nproc", "2"]) == 2
+    assert "--threads 1 with --nproc 2: each rank takes its share" in capsys.readouterr().err
+
+
 def test_train_takes_the_largest_seed(tmp_path, capsys):
     """Its per-epoch shuffle seed (seed * 1000003 + epoch) overflowed torch's int64."""
     assert main(["train", "--data", "synthetic", "--epochs", "1", "--quiet",

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from .._measure import num_threads, threads_for
 from .._reference import check_fp32_model
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import DATASETS, Dataset, load_data
@@ -335,7 +336,8 @@ def _check_model_state(saved: dict[str, Any], expected: dict[str, Any]) -> None:
 def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: bool = False,
           on_epoch: Optional[OnEpoch] = None, on_batch: Optional[OnBatchFactory] = None,
           on_warning: Optional[Warn] = None,
-          on_start: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, Any]:
+          on_start: Optional[Callable[[Optional[int]], None]] = None,
+          threads: Optional[int] = None) -> dict[str, Any]:
     """Train for ``settings.epochs`` epochs (continuing a checkpoint when ``resume``).
 
     Args:
@@ -347,10 +349,14 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
         on_batch: called with a task label, returns a per-batch progress callback.
         on_warning: called with a sentence naming the module when a step goes non-finite
             (the first such step of an epoch); default ``warnings.warn``.
+        threads: intra-op threads for the epochs (None: on a CPU, 1 for a model under 5M
+            parameters, as ``ampkit bench`` takes: two OpenMP threads on a busy 2-core
+            machine made an epoch of the digits MLP 20-40 times slower). Restored after.
 
     Returns:
-        The log: settings, resolved policy, one record per epoch, the final one, and the
-        ``loss_scale_timeline`` of the whole run (see :func:`loss_scale_timeline`).
+        The log: settings, resolved policy, one record per epoch, the final one, the
+        ``loss_scale_timeline`` of the whole run (see :func:`loss_scale_timeline`), and
+        the threads it ran with and why.
     """
     if resume and not checkpoint:
         raise UsageError("--resume needs --checkpoint PATH (the checkpoint to continue)")
@@ -360,16 +366,19 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
     if state is not None:
         _resume(trainer, state, str(checkpoint))
     start = len(trainer.history)
+    count, why = threads_for(threads, torch.device(settings.device).type, lambda: trainer.model)
     if on_start is not None:
         on_start(start if state is not None else None)
-    for epoch in range(start + 1, settings.epochs + 1):
-        record = run_epoch(trainer, epoch, on_batch)
-        trainer.history.append(record)
-        if checkpoint:
-            trainer.save(checkpoint)
-        if on_epoch is not None:
-            on_epoch(record)
-    return train_log(trainer, data, start if state is not None else None)
+    with num_threads(count):
+        for epoch in range(start + 1, settings.epochs + 1):
+            record = run_epoch(trainer, epoch, on_batch)
+            trainer.history.append(record)
+            if checkpoint:
+                trainer.save(checkpoint)
+            if on_epoch is not None:
+                on_epoch(record)
+    return dict(train_log(trainer, data, start if state is not None else None),
+                threads=count, threads_reason=why)
 
 
 def train_log(trainer: Trainer, data: Dataset, resumed_from: Optional[int]) -> dict[str, Any]:

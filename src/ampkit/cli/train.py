@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .._dtypes import recommend_policy
+from .._measure import check_threads
 from ._common import UsageError, add_common, check_device, check_distinct, check_output_paths
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint (its "
                    "sha256 digest is checked; a checkpoint without one, written before "
                    "digests, is refused)")
+    p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: 1 on a "
+                   "CPU for models under 5M parameters, else torch's default; recorded in the "
+                   "JSON); with --nproc each rank takes its share of the cores instead")
     p.add_argument("--nproc", type=int, metavar="N", help="train on N processes under torchrun "
                    "with DDP, each on its share of the data (gloo on a CPU, nccl on GPUs); the "
                    "checkpoint is then a torch.distributed.checkpoint folder")
@@ -66,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
     check_train_model(args.model)
     plan = _check_nproc(args.nproc, device)
+    _check_threads(args.threads, plan)
     if plan is None:
         _check_not_parallel_checkpoint(args.checkpoint)
     check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
@@ -129,7 +134,7 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
     with report.Progress(enabled=show, keep_done=False) as progress:
         return train(settings, checkpoint=args.checkpoint, resume=args.resume,
                      on_epoch=on_epoch, on_batch=progress.task, on_warning=on_warning,
-                     on_start=on_start)
+                     on_start=on_start, threads=args.threads)
 
 
 def _check_not_parallel_checkpoint(path: Optional[str]) -> None:
@@ -148,6 +153,19 @@ def _check_not_parallel_checkpoint(path: Optional[str]) -> None:
         raise UsageError(f"--checkpoint {path!r} is a checkpoint folder of ampkit train --nproc "
                          f"(torch.distributed.checkpoint); valid: {again} to use it, or a file "
                          "path for a run in this process")
+
+
+def _check_threads(threads: Optional[int], plan: Optional[ParallelPlan]) -> None:
+    """--threads: 1 to the CPU's logical cores, and not with --nproc (exit 2)."""
+    if threads is None:
+        return
+    if plan is not None:
+        raise UsageError(f"--threads {threads} with --nproc {plan.nproc}: each rank takes its "
+                         "share of the cores; valid: leave out --threads")
+    try:
+        check_threads("--threads", threads)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _check_nproc(nproc: Optional[int], device: str) -> Optional[ParallelPlan]:
