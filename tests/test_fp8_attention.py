@@ -298,6 +298,27 @@ def test_under_torch_func_transforms_torch_attention_runs_with_a_warning():
     assert torch.equal(grad, torch.func.grad(lambda t: F.scaled_dot_product_attention(t, k, v).sum())(q))
 
 
+def test_multihead_attention_in_a_region_is_said_to_run_in_high_precision():
+    """nn.MultiheadAttention is not routed (it calls torch's attention from inside
+    F.multi_head_attention_forward), and said nothing: silence suggested fp8 ran, where a
+    mask or dropout did warn (new-user probe)."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 8, 32)
+    expected = attention(x, x, x)[0]
+    with pytest.warns(UserWarning, match=r"runs in high precision, not fp8: nn.MultiheadAttention "
+                                         r"calls torch's attention from inside"):
+        with fp8_attention(emulate=True):
+            out = attention(x, x, x)[0]
+    assert torch.equal(out, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fp8_attention(enabled=False):
+            attention(x, x, x)
+        with fp8_attention(emulate=True):  # said once
+            attention(x, x, x)
+
+
 def test_fallback_warns_once_per_kind_of_reason():
     q, k, v = qkv(dim=24)
     with pytest.warns(UserWarning) as record:

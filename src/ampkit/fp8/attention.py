@@ -377,6 +377,14 @@ class _RouteAttention(TorchFunctionMode):
             enabled, emulate = _regions.entries[-1]
             if enabled:
                 return scaled_dot_product_attention(*args, **kwargs, emulate=emulate)
+        elif func is F.multi_head_attention_forward and _regions.entries[-1:] \
+                and _regions.entries[-1][0]:
+            warn_once(("fp8-attention-fallback", "multi_head_attention"),
+                      "ampkit.fp8: this attention runs in high precision, not fp8: "
+                      "nn.MultiheadAttention calls torch's attention from inside "
+                      "F.multi_head_attention_forward, where fp8_attention() cannot route it; "
+                      "call ampkit.fp8.scaled_dot_product_attention in an attention module "
+                      "of yours (said once per kind of reason)")
         return func(*args, **kwargs)
 
 
