@@ -199,12 +199,13 @@ def test_user_workload_without_a_batch_size_parameter(capsys, tmp_path, monkeypa
     assert "--batch-size 5 given, but model 'fixed:make' takes no batch_size keyword" in line
 
 
-def _document(native_bf16: bool, speedup: float) -> dict:
+def _document(native_bf16: bool, speedup: float, half_dtype: str = "bfloat16") -> dict:
     row = {"policy": "32-true", "half_dtype": None, "speedup": 1.0, "mem_ratio": 1.0,
            "max_loss_dev": 0.0, "max_loss_rel_dev": 0.0, "fp8_recipe": None, "nonfinite_losses": 0,
            "losses": [1.0],
            "memory_method": "process peak RSS", "speedup_ci": [1.0, 1.0]}
-    half = dict(row, policy="bf16-mixed", half_dtype="bfloat16", speedup=speedup,
+    half = dict(row, policy="bf16-mixed" if half_dtype == "bfloat16" else "O2-fp16",
+                half_dtype=half_dtype, speedup=speedup,
                 max_loss_dev=0.001, max_loss_rel_dev=0.001,
                 speedup_ci=[speedup * 0.9, speedup * 1.05])
     env = {"device": "cpu", "device_name": "x", "torch": "t", "ampkit": "a",
@@ -216,9 +217,13 @@ def _document(native_bf16: bool, speedup: float) -> dict:
 def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
     no_hardware = " ".join(verdict.bench_verdict(_document(False, 0.3)))
     assert "bf16-mixed: 0.30× the speed of 32-true (95% interval 0.27–0.32: slower)" in no_hardware
-    assert "no half-precision arithmetic" in no_hardware
+    assert "because this CPU has no native bf16 arithmetic" in no_hardware
     with_hardware = " ".join(verdict.bench_verdict(_document(True, 0.5)))
-    assert "although it has native half-precision instructions" in with_hardware
+    assert "although it has native instructions for that half precision" in with_hardware
+    # fp16 on a CPU with native bf16 only: it said "although it has native half-precision
+    # instructions" where `ampkit info` said "native fp16: no" (new-user probe).
+    fp16 = " ".join(verdict.bench_verdict(_document(True, 0.5, "float16")))
+    assert "O2-fp16 ran slower than fp32 because this CPU has no native fp16 arithmetic" in fp16
     faster = " ".join(verdict.bench_verdict(_document(True, 1.5)))
     assert "1.50× the speed of 32-true (95% interval 1.35–1.58: faster)" in faster
     assert "ran slower" not in faster

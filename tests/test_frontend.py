@@ -250,10 +250,13 @@ def _ddp() -> nn.Module:
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(opt_level="O5"), ValueError, r"unknown opt_level 'O5'; valid: 'O0', 'O1', 'O2', 'O3'"),
-    (dict(opt_level="0"), ValueError, r"did you mean 'O0', with the letter O\?\); valid: 'O0'"),
+    (dict(opt_level="0"), ValueError, r"did you mean 'O0', with the capital letter O\?\); "
+                                      r"valid: 'O0'"),
     (dict(opt_level=2), ValueError, r"unknown opt_level 2 .*did you mean 'O2'"),
     (dict(opt_level="02"), ValueError, r"unknown opt_level '02' \(a zero: did you mean 'O2', "
-                                       r"with the letter O\?\); valid: 'O0'"),
+                                       r"with the capital letter O\?\); valid: 'O0'"),
+    (dict(opt_level="o2"), ValueError, r"unknown opt_level 'o2' \(a lower-case o: did you mean "
+                                       r"'O2', with the capital letter O\?\); valid: 'O0'"),
     (dict(half_dtype=torch.float32), ValueError, r"half_dtype torch.float32 .* valid: .*bf16"),
     (dict(half_dtype="fp8"), ValueError, r"unknown half_dtype 'fp8'; valid names: .*fp16"),
     (dict(loss_scale="big"), ValueError, r"loss_scale 'big' is neither 'dynamic' nor"),
@@ -1776,3 +1779,15 @@ def test_a_delayed_exit_of_a_replaced_initialize_is_closed_by_its_own(overflow):
         got = _delayed_then_step(True, overflow)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert all(torch.isfinite(p).all() for p in got)
+
+
+def test_swapped_arguments_are_named_on_one_short_line():
+    """initialize(optimizer, model) printed the optimizer's whole multi-line repr (new-user
+    probe)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError) as caught:
+        initialize(optimizer, model)
+    message = str(caught.value)
+    assert message.startswith("models must be a torch.nn.Module or a list of them, got SGD SGD (")
+    assert "\n" not in message and len(message) < 160

@@ -57,17 +57,24 @@ def check_positive(name: str, value: Any, *, allow_none: bool = False) -> Option
     return float(value)
 
 
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` on one line, cut at ``limit`` characters: an optimizer's or a
+    model's repr runs over many lines."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def as_list(value: Any, name: str, kind: type, kind_name: str) -> list:
     """``value`` as a list of ``kind``: one of them, or a list/tuple of them."""
     if isinstance(value, kind):
         return [value]
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a {kind_name} or a list of them, got "
-                        f"{type(value).__name__} {value!r}")
+                        f"{type(value).__name__} {short_repr(value)}")
     for i, item in enumerate(value):
         if not isinstance(item, kind):
-            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({item!r}), not a "
-                            f"{kind_name}; valid: a {kind_name} or a list of them")
+            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({short_repr(item)}), not "
+                            f"a {kind_name}; valid: a {kind_name} or a list of them")
     return list(value)
 
 

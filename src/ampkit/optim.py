@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ._checks import short_repr
 from ._dtypes import HALF_DTYPES
 from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
@@ -100,13 +101,13 @@ def as_optimizers(value: Any, name: str) -> list[torch.optim.Optimizer]:
              "one as .optim, as apex's LARC)")
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a torch.optim.Optimizer or a list of them, got "
-                        f"{type(value).__name__} {value!r}; valid: {valid}")
+                        f"{type(value).__name__} {short_repr(value)}; valid: {valid}")
     optimizers = []
     for i, item in enumerate(value):
         inner = inner_optimizer(item)
         if inner is None:
-            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({item!r}), not a "
-                            f"torch.optim.Optimizer; valid: {valid}")
+            raise TypeError(f"{name}[{i}] is a {type(item).__name__} ({short_repr(item)}), "
+                            f"not a torch.optim.Optimizer; valid: {valid}")
         optimizers.append(inner)
     return optimizers
 

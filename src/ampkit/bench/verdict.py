@@ -189,8 +189,8 @@ def bench_verdict(document: dict[str, Any]) -> list[str]:
         lines.append(f"fp32 on this GPU (torch's settings): {env['fp32_math']}.")
     tolerance = (document.get("recommendation") or {}).get("max_loss_dev", 0.02)
     lines += [_policy_sentence(r, ref, tolerance) for r in results[1:]]
-    slower = [r["policy"] for r in results[1:] if r["half_dtype"] and r["fp8_recipe"] is None
-              and _measurably(r) == "slower"]
+    slower = [(r["policy"], r["half_dtype"]) for r in results[1:]
+              if r["half_dtype"] and r["fp8_recipe"] is None and _measurably(r) == "slower"]
     if slower and env["device"] == "cpu":
         lines.append(_cpu_slowdown(slower, native, settings, document.get("machine") or {}))
     lines += _row_sentences(results, native)
@@ -269,22 +269,28 @@ def _policy_sentence(r: dict[str, Any], ref: dict[str, Any], tolerance: float) -
     return f"{r['policy']}: {pace}{mem}, {loss}."
 
 
-def _cpu_slowdown(slower: list[str], native: dict[str, bool], settings: dict[str, Any],
-                  machine: dict[str, Any]) -> str:
-    names = ", ".join(slower)
+def _cpu_slowdown(slower: list[tuple[str, str]], native: dict[str, bool],
+                  settings: dict[str, Any], machine: dict[str, Any]) -> str:
+    """Why half-precision policies (name, half dtype name) ran slower than fp32 on a CPU;
+    "native" is judged per policy's own half dtype (bf16 and fp16 differ on a CPU)."""
+    names = ", ".join(name for name, _ in slower)
     threads = settings.get("threads") or 1
     if threads > 1 and machine.get("busy"):
         return (f"{names} ran slower than fp32 with {threads} threads on a busy machine: OpenMP "
                 "threads that wait for a CPU distort small models' timings many times over; "
                 "rerun with --threads 1 before reading anything into it.")
-    if not (native["bf16"] or native["fp16"]):
-        return (f"{names} ran slower than fp32 because this CPU has no half-precision "
-                "arithmetic (no AVX512-BF16/AMX): expected here, and no guide to a GPU, where "
-                "half precision is what tensor cores are built for.")
-    return (f"{names} ran slower than fp32 on this CPU although it has native half-precision "
-            "instructions: at sizes this small, casts and per-op overheads can cost more than "
-            "the faster matmuls save. These are this machine's measured numbers; a GPU "
-            "behaves differently.")
+    kinds = {_HALF_NAMES[dtype] for _, dtype in slower}
+    if not any(native.get(kind, False) for kind in kinds):
+        which = "/".join(sorted(kinds))
+        return (f"{names} ran slower than fp32 because this CPU has no native {which} "
+                "arithmetic (no AVX512-BF16/AMX for bf16, no AVX512-FP16/AMX-FP16 for fp16): "
+                "expected here, and no guide to a GPU, where half precision is what tensor "
+                "cores are built for.")
+    return (f"{names} ran slower than fp32 on this CPU although it has native instructions "
+            "for that half precision: at sizes this small, casts and per-op overheads can "
+            "cost more than the faster matmuls save. These are this machine's measured "
+            "numbers; a GPU behaves differently.")
+
 
 
 def _row_sentences(results: Sequence[dict[str, Any]], native: dict[str, bool]) -> list[str]:

@@ -177,7 +177,7 @@ def _check_nproc(nproc: Optional[int], device: str) -> Optional[ParallelPlan]:
 
 def _epoch_line(record: dict[str, Any], epochs: int) -> str:
     scale = "" if record["loss_scale"] is None else (
-        f"  scale {record['loss_scale']:g} ({record['skipped_steps']} skipped)")
+        f"  scale {record['loss_scale']:g} ({record['skipped_steps']} skipped so far)")
     return (f"epoch {record['epoch']:>3}/{epochs}  train loss {record['train_loss']:.4f}  "
             f"test loss {record['test_loss']:.4f}  test acc {record['test_acc']:.2%}  "
             f"{record['time_s']:.1f}s{scale}")

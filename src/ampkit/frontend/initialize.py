@@ -97,11 +97,11 @@ def _check_opt_level(opt_level: Any) -> str:
     if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
         return opt_level
     text = str(opt_level).strip()
-    digit = text[1:] if len(text) == 2 and text[0] == "0" else text  # "02": a zero for the O
+    digit = text[1:] if len(text) == 2 and text[0] in "0o" else text  # "02", "o2"
     hint = ""
     if digit in ("0", "1", "2", "3"):
-        hint = (f" ({'a zero' if digit != text else 'a digit'}: did you mean 'O{digit}', "
-                "with the letter O?)")
+        what = "a digit" if digit == text else "a zero" if text[0] == "0" else "a lower-case o"
+        hint = f" ({what}: did you mean 'O{digit}', with the capital letter O?)"
     raise ValueError(f"unknown opt_level {opt_level!r}{hint}; valid: "
                      f"{', '.join(repr(level) for level in OPT_LEVELS)}")
 
