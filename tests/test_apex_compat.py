@@ -238,6 +238,39 @@ def test_the_max_norm_warning_names_every_embedding_of_every_model():
                                 "names, before initialize")
 
 
+def _o2_fp16_large_targets(**kw) -> tuple[list[float], list[str]]:
+    """An O2 fp16 regression whose gradients exceed fp16's range at a scale of 1 (targets
+    of ~5000 under MSE): the losses, and the floor warnings given."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=F16, verbosity=0, **kw)
+    x, y = torch.randn(64, 4), 5000 + 3000 * torch.randn(64, 1)
+    losses = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(40):
+            loss = (model(x).float() - y).pow(2).sum()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, [str(w.message) for w in record if "at its floor" in str(w.message)]
+
+
+def test_an_o2_fp16_run_stuck_at_the_floor_is_told_to_lower_it():
+    """fp16 gradients floor the scale at 1.0 (as Megatron and DeepSpeed do); gradients that
+    overflow fp16 even unscaled then skip every step, and the warning said they were not
+    finite whatever the scale, without naming min_loss_scale (convergence probe)."""
+    stuck, warned = _o2_fp16_large_targets()
+    assert stuck[-1] == stuck[0] and amp.state_dict()["loss_scaler0"]["loss_scale"] == 1.0
+    assert warned and "min_loss_scale=2**-8" in warned[0]
+    trained, warned = _o2_fp16_large_targets(min_loss_scale=2.0**-8)
+    assert trained[-1] < trained[0] / 2 and not warned
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] < 1.0
+
+
 # --- an exception inside scale_loss ---------------------------------------------------------
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_exception_after_backward_drops_the_scaled_gradients(level):

@@ -720,6 +720,8 @@ def test_a_floored_overflow_streak_warns_once_per_sixteen_steps(fused):
     messages = [str(w.message) for w in record if "floor" in str(w.message)]
     assert messages[0].startswith("ampkit: 16 steps in a row overflowed and the loss scale is "
                                   "at its floor (1)")
+    assert "exceed fp16's range (65504) even unscaled" in messages[0]
+    assert "GradScaler(min_scale=2**-8)" in messages[0]
     assert len(messages) == 2
 
 

@@ -255,7 +255,9 @@ def make_scalers(policy: Policy, count: int, device_type: str, min_loss_scale: A
         return [GradScaler(device_type, init_scale=scaling.scale) for _ in range(count)]
     if low is None and policy.param_dtype == torch.float16:
         # The model's own gradients are fp16: below a scale of 1 every step flushes more of
-        # them to zero (at the fp32 floor all of them) instead of skipping.
+        # them to zero (at the fp32 floor all of them) instead of skipping; Megatron's and
+        # DeepSpeed's fp16 floor too. Gradients beyond fp16's range even unscaled need
+        # min_loss_scale below 1, which the floor's warning names.
         low = FP16_GRAD_MIN_SCALE
     return [GradScaler(device_type, init_scale=_DYNAMIC_INIT_SCALE, growth_interval=_GROWTH_INTERVAL,
                        min_scale=low, max_scale=high) for _ in range(count)]

@@ -129,12 +129,20 @@ def _read_floor_note(scaler: "GradScaler", note: HostCopy) -> None:
 
 def _warn_at_floor(scaler: "GradScaler", streak: int, scale: float) -> None:
     low = scaler._scale_bounds()[0]
-    if scale <= low:
-        warnings.warn(
-            f"ampkit: {streak} steps in a row overflowed and the loss "
-            f"scale is at its floor ({low:g}), so every step is skipped: the gradients are not "
-            "finite whatever the scale (check the loss and the inputs, lower the learning "
-            "rate, or train in bf16)", RuntimeWarning, stacklevel=4)
+    if scale > low:
+        return
+    if low >= 1.0:  # fp16 gradients' floor (1.0, as Megatron's and DeepSpeed's), or the user's
+        why = ("either the gradients are not finite at any scale (an inf or NaN in the loss or "
+               "the inputs: check them, or lower the learning rate), or they exceed fp16's "
+               "range (65504) even unscaled (large targets or a summed loss: normalise them, or "
+               f"let the scale go below {low:g} with initialize(..., min_loss_scale=2**-8) or "
+               "GradScaler(min_scale=2**-8)); or train in bf16")
+    else:
+        why = ("the gradients are not finite whatever the scale (check the loss and the "
+               "inputs, lower the learning rate, or train in bf16)")
+    warnings.warn(f"ampkit: {streak} steps in a row overflowed and the loss scale is at its "
+                  f"floor ({low:g}), so every step is skipped: {why}", RuntimeWarning,
+                  stacklevel=4)
 
 
 def _names_cuda(device: Any) -> bool:
