@@ -12,7 +12,6 @@ machine cannot blur them). Linear growth shows as calls per block staying flat.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
 from typing import Callable
@@ -22,6 +21,7 @@ from torch import nn
 
 import ampkit
 from ampkit.fp8 import Float8Config, convert_to_fp8
+from bench_host import count_python_calls  # the same exact count as the host-cost tables
 
 
 def _model(blocks: int) -> nn.Module:
@@ -45,22 +45,6 @@ CASES: dict[str, Callable[[nn.Module, int], object]] = {
 }
 
 
-def _calls(fn: Callable[[], object]) -> int:
-    count = 0
-
-    def profile(frame: object, event: str, arg: object) -> None:
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", default="100,200,400,800")
@@ -77,7 +61,7 @@ def main() -> None:
             start = time.perf_counter()
             case(model, blocks)
             ms = (time.perf_counter() - start) * 1e3
-            calls = _calls(lambda: case(_model(blocks), blocks))
+            calls = count_python_calls(lambda: case(_model(blocks), blocks))
             print(f"{name:40s} {blocks:6d} {ms:8.1f} {calls / blocks:12.0f}")
 
 

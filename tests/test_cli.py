@@ -560,6 +560,22 @@ def test_train_runs_a_small_model_on_one_thread_and_takes_threads(tmp_path, caps
     assert "--threads 1 with --nproc 2: each rank takes its share" in capsys.readouterr().err
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two logical cores")
+def test_a_resume_runs_on_the_checkpoints_threads(tmp_path, capsys):
+    """Another thread count rounds a CPU's sums differently: a checkpoint of a 2-thread run
+    resumed on the new 1-thread default went on, not exactly (review finding)."""
+    ckpt, log = str(tmp_path / "c.pt"), tmp_path / "resumed.json"
+    common = ["train", "--data", "synthetic", "--batch-size", "256", "--quiet",
+              "--checkpoint", ckpt]
+    assert main([*common, "--epochs", "1", "--threads", "2"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--epochs", "2", "--resume", "--threads", "1"]) == 2
+    assert ("--threads 1: the checkpoint ran on 2 thread(s)" in capsys.readouterr().err)
+    assert main([*common, "--epochs", "2", "--resume", "--json", str(log)]) == 0
+    resumed = json.loads(log.read_text())
+    assert resumed["threads"] == 2 and resumed["threads_reason"].startswith("2, the checkpoint's")
+
+
 def test_train_takes_the_largest_seed(tmp_path, capsys):
     """Its per-epoch shuffle seed (seed * 1000003 + epoch) overflowed torch's int64."""
     assert main(["train", "--data", "synthetic", "--epochs", "1", "--quiet",

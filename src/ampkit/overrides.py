@@ -79,10 +79,10 @@ def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
     """Enter an ampkit.autocast region in this thread (installs overrides on the first
     enabled one).
 
-    A disabled region (``enabled=False``; each module ``keep_fp32`` selected runs in one)
-    only pushes this thread's frame: no override acts inside it, so nothing is put in
-    place for it, which would cost a setattr per registration at every kept module's
-    forward under O2. While torch.compile traces, only this thread's frame is pushed:
+    A disabled region (``enabled=False``; each kept module's forward) only pushes this
+    thread's frame: no override acts inside it, so nothing is put in place for it (a
+    setattr per registration at every kept module's forward under O2). While
+    torch.compile traces, only this thread's frame is pushed:
     dynamo would replay a write to the process-wide ``_open_regions`` after every call of
     the graph as the whole list it traced, erasing other threads' regions meanwhile, and
     it guards on module attributes it read, so nothing may be put in place either. Where

@@ -156,6 +156,9 @@ class Trainer:
         self.data = Dataset(data.name, *(t.to(device) for t in (data.train_x, data.train_y,
                             data.test_x, data.test_y)), num_classes=data.num_classes)
         self.history: list[dict[str, Any]] = []
+        # The intra-op threads the epochs run on (train() sets them): a CPU's reductions
+        # round by the thread count, so a resume takes the checkpoint's to continue exactly.
+        self.threads: Optional[int] = None
         self.check = StepCheck(self.model, self.optimizer, self.precision, classification_loss,
                                settings.policy, warn or _warn)
         self.epoch_steps: dict[str, Any] = {}  # the last epoch's StepCheck.end_epoch()
@@ -209,7 +212,7 @@ class Trainer:
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.precision.scaler.state_dict(), "amp": None,
                  "fp8": fp8_state_dict(self.model), "history": list(self.history),
-                 "rng": _rng_state()}
+                 "rng": _rng_state(), "threads": self.threads}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,6 +262,11 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
             valid = " or ".join("None" if t is type(None) else t.__name__ for t in types)
             raise UsageError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
                              "--checkpoint writes it")
+    threads = state.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise UsageError(f"its 'threads' entry is {threads!r}; valid: None or an int >= 1, as "
+                         "ampkit train --checkpoint writes it")
     rng = state.get("rng")
     if rng is not None and not _valid_rng(rng):
         raise UsageError("its 'rng' entry is not the random-number state ampkit train writes; "
@@ -350,8 +358,9 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
         on_warning: called with a sentence naming the module when a step goes non-finite
             (the first such step of an epoch); default ``warnings.warn``.
         threads: intra-op threads for the epochs (None: on a CPU, 1 for a model under 5M
-            parameters, as ``ampkit bench`` takes: two OpenMP threads on a busy 2-core
-            machine made an epoch of the digits MLP 20-40 times slower). Restored after.
+            parameters, as ``ampkit bench`` takes: OpenMP threads that wait for a busy
+            machine's cores slow small models many times over); a resume takes the
+            checkpoint's, and refuses another. Restored after.
 
     Returns:
         The log: settings, resolved policy, one record per epoch, the final one, the
@@ -366,7 +375,8 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
     if state is not None:
         _resume(trainer, state, str(checkpoint))
     start = len(trainer.history)
-    count, why = threads_for(threads, torch.device(settings.device).type, lambda: trainer.model)
+    count, why = _threads(threads, state, settings, trainer)
+    trainer.threads = count
     if on_start is not None:
         on_start(start if state is not None else None)
     with num_threads(count):
@@ -379,6 +389,20 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
                 on_epoch(record)
     return dict(train_log(trainer, data, start if state is not None else None),
                 threads=count, threads_reason=why)
+
+
+def _threads(requested: Optional[int], state: Optional[dict[str, Any]], settings: TrainSettings,
+             trainer: Trainer) -> tuple[int, str]:
+    """The epochs' threads and why: a resumed run's are the checkpoint's (another count
+    rounds a CPU's reductions otherwise, and the resume would not continue exactly)."""
+    saved = None if state is None else state.get("threads")
+    if saved is None:  # a fresh run, or a checkpoint written before it recorded them
+        return threads_for(requested, torch.device(settings.device).type, lambda: trainer.model)
+    if requested is not None and requested != saved:
+        raise UsageError(f"--threads {requested}: the checkpoint ran on {saved} thread(s), and "
+                         "another count rounds a CPU's sums differently, so the resumed run "
+                         f"would not continue exactly; valid: --threads {saved}, or leave it out")
+    return saved, f"{saved}, the checkpoint's (a resume continues on the same threads)"
 
 
 def train_log(trainer: Trainer, data: Dataset, resumed_from: Optional[int]) -> dict[str, Any]:
