@@ -224,6 +224,11 @@ def test_verdict_says_why_half_precision_is_slower_on_a_cpu():
     # instructions" where `ampkit info` said "native fp16: no" (new-user probe).
     fp16 = " ".join(verdict.bench_verdict(_document(True, 0.5, "float16")))
     assert "O2-fp16 ran slower than fp32 because this CPU has no native fp16 arithmetic" in fp16
+    both = _document(True, 0.5)  # bf16 native, fp16 not: one sentence each (review finding)
+    both["results"].append(dict(both["results"][1], policy="O2-fp16", half_dtype="float16"))
+    mixed = " ".join(verdict.bench_verdict(both))
+    assert "O2-fp16 ran slower than fp32 because this CPU has no native fp16 arithmetic" in mixed
+    assert "bf16-mixed ran slower than fp32 on this CPU although it has native" in mixed
     faster = " ".join(verdict.bench_verdict(_document(True, 1.5)))
     assert "1.50× the speed of 32-true (95% interval 1.35–1.58: faster)" in faster
     assert "ran slower" not in faster

@@ -133,10 +133,11 @@ def _warn_at_floor(scaler: "GradScaler", streak: int, scale: float) -> None:
         return
     if low >= 1.0:  # fp16 gradients' floor (1.0, as Megatron's and DeepSpeed's), or the user's
         why = ("either the gradients are not finite at any scale (an inf or NaN in the loss or "
-               "the inputs: check them, or lower the learning rate), or they exceed fp16's "
-               "range (65504) even unscaled (large targets or a summed loss: normalise them, or "
-               f"let the scale go below {low:g} with initialize(..., min_loss_scale=2**-8) or "
-               "GradScaler(min_scale=2**-8)); or train in bf16")
+               "the inputs: check them, or lower the learning rate), or, where they are fp16, "
+               "they exceed fp16's range (65504) even unscaled (large targets or a summed "
+               f"loss: normalise them, or let the scale go below {low:g} with "
+               "initialize(..., min_loss_scale=2**-8) or GradScaler(min_scale=2**-8), or "
+               "train in bf16)")
     else:
         why = ("the gradients are not finite whatever the scale (check the loss and the "
                "inputs, lower the learning rate, or train in bf16)")

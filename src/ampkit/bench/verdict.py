@@ -272,25 +272,33 @@ def _policy_sentence(r: dict[str, Any], ref: dict[str, Any], tolerance: float) -
 def _cpu_slowdown(slower: list[tuple[str, str]], native: dict[str, bool],
                   settings: dict[str, Any], machine: dict[str, Any]) -> str:
     """Why half-precision policies (name, half dtype name) ran slower than fp32 on a CPU;
-    "native" is judged per policy's own half dtype (bf16 and fp16 differ on a CPU)."""
-    names = ", ".join(name for name, _ in slower)
+    "native" is judged per policy's own half dtype (bf16 and fp16 differ on a CPU): one
+    sentence for those without native arithmetic, one for those with it."""
     threads = settings.get("threads") or 1
     if threads > 1 and machine.get("busy"):
+        names = ", ".join(name for name, _ in slower)
         return (f"{names} ran slower than fp32 with {threads} threads on a busy machine: OpenMP "
                 "threads that wait for a CPU distort small models' timings many times over; "
                 "rerun with --threads 1 before reading anything into it.")
-    kinds = {_HALF_NAMES[dtype] for _, dtype in slower}
-    if not any(native.get(kind, False) for kind in kinds):
-        which = "/".join(sorted(kinds))
-        return (f"{names} ran slower than fp32 because this CPU has no native {which} "
-                "arithmetic (no AVX512-BF16/AMX for bf16, no AVX512-FP16/AMX-FP16 for fp16): "
-                "expected here, and no guide to a GPU, where half precision is what tensor "
-                "cores are built for.")
-    return (f"{names} ran slower than fp32 on this CPU although it has native instructions "
-            "for that half precision: at sizes this small, casts and per-op overheads can "
-            "cost more than the faster matmuls save. These are this machine's measured "
-            "numbers; a GPU behaves differently.")
-
+    lacking = [(name, _HALF_NAMES[dtype]) for name, dtype in slower
+               if not native.get(_HALF_NAMES[dtype], False)]
+    having = [name for name, dtype in slower if native.get(_HALF_NAMES[dtype], False)]
+    sentences = []
+    if lacking:
+        kinds = sorted({kind for _, kind in lacking})
+        names = ", ".join(name for name, _ in lacking)
+        instructions = {"bf16": "AVX512-BF16/AMX", "fp16": "AVX512-FP16/AMX-FP16"}
+        sentences.append(
+            f"{names} ran slower than fp32 because this CPU has no native {'/'.join(kinds)} "
+            f"arithmetic (no {' or '.join(instructions[k] for k in kinds)}): expected here, "
+            "and no guide to a GPU, where half precision is what tensor cores are built for.")
+    if having:
+        sentences.append(
+            f"{', '.join(having)} ran slower than fp32 on this CPU although it has native "
+            "instructions for that half precision: at sizes this small, casts and per-op "
+            "overheads can cost more than the faster matmuls save. These are this machine's "
+            "measured numbers; a GPU behaves differently.")
+    return " ".join(sentences)
 
 
 def _row_sentences(results: Sequence[dict[str, Any]], native: dict[str, bool]) -> list[str]:

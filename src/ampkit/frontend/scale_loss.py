@@ -295,12 +295,13 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
     # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
     stash.grads_unscaled = not delay
     stash.delayed_inv = inv_scale if delay else None
-    if not delay and counts:
-        # Every grad the optimizer holds is checked now, into a flag that skips the step: a
-        # later exit before the next step must not count this exit's overflow again
-        # (model.zero_grad() leaves stepped set). An exit whose flag counts for nothing
-        # (delay_overflow_check, a static scale) leaves the re-check to the next one.
-        stash.stepped = False
+    if not delay:
+        if counts:
+            # Every grad the optimizer holds is checked now, into a flag that skips the
+            # step: a later exit before the next step must not count this exit's overflow
+            # again (model.zero_grad() leaves stepped set). An exit whose flag counts for
+            # nothing (delay_overflow_check, a static scale) leaves the re-check to the next.
+            stash.stepped = False
         # This exit's flag, where it updates the scale (then an overflow skips the step).
         earlier = stash.last_found_inf
         if counts and found_inf is not None:
