@@ -76,18 +76,17 @@ _registry: dict[tuple[int, str], "Registration"] = {}
 
 # --- per-thread autocast frames (pushed and popped by ampkit.autocast) -------------------
 def push_frame(device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-    """Enter an ampkit.autocast region in this thread (installs overrides on the first
-    enabled one).
+    """Enter an ampkit.autocast region in this thread (the first enabled one installs).
 
     A disabled region (``enabled=False``; each kept module's forward) only pushes this
     thread's frame: no override acts inside it, so nothing is put in place for it (a
     setattr per registration at every kept module's forward under O2). While
-    torch.compile traces, only this thread's frame is pushed:
-    dynamo would replay a write to the process-wide ``_open_regions`` after every call of
-    the graph as the whole list it traced, erasing other threads' regions meanwhile, and
-    it guards on module attributes it read, so nothing may be put in place either. Where
-    registered overrides are not in place already (no region is open outside the
-    compiled function), the graph breaks here, and the region is entered eagerly.
+    torch.compile traces, only this thread's frame is pushed: dynamo would replay a write
+    to the process-wide ``_open_regions`` after every call of the graph as the whole list
+    it traced, erasing other threads' regions meanwhile, and it guards on module
+    attributes it read, so nothing may be put in place either. Where registered
+    overrides are not in place already (no region is open outside the compiled
+    function), the graph breaks here, and the region is entered eagerly.
     """
     if not enabled:
         _local.frames.append((device_type, dtype, False, False))
