@@ -45,7 +45,6 @@ OnEpoch = Callable[[dict[str, Any]], None]
 OnBatchFactory = Callable[[str], Callable[[int, int], None]]
 
 
-
 @dataclass(frozen=True)
 class TrainSettings:
     """Everything that defines a training run.
@@ -156,8 +155,7 @@ class Trainer:
         self.data = Dataset(data.name, *(t.to(device) for t in (data.train_x, data.train_y,
                             data.test_x, data.test_y)), num_classes=data.num_classes)
         self.history: list[dict[str, Any]] = []
-        # The intra-op threads the epochs run on (train() sets them): a CPU's reductions
-        # round by the thread count, so a resume takes the checkpoint's to continue exactly.
+        # train() sets the epochs' threads; a resume takes them (CPU sums round by them)
         self.threads: Optional[int] = None
         self.check = StepCheck(self.model, self.optimizer, self.precision, classification_loss,
                                settings.policy, warn or _warn)
@@ -263,8 +261,7 @@ def _check_checkpoint(state: Any, settings: TrainSettings) -> None:
             raise UsageError(f"its {entry!r} entry {found}; valid: {valid}, as ampkit train "
                              "--checkpoint writes it")
     threads = state.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads < 1):
+    if threads is not None and (type(threads) is not int or threads < 1):
         raise UsageError(f"its 'threads' entry is {threads!r}; valid: None or an int >= 1, as "
                          "ampkit train --checkpoint writes it")
     rng = state.get("rng")
@@ -358,9 +355,8 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
         on_warning: called with a sentence naming the module when a step goes non-finite
             (the first such step of an epoch); default ``warnings.warn``.
         threads: intra-op threads for the epochs (None: on a CPU, 1 for a model under 5M
-            parameters, as ``ampkit bench`` takes: OpenMP threads that wait for a busy
-            machine's cores slow small models many times over); a resume takes the
-            checkpoint's, and refuses another. Restored after.
+            parameters, as ``ampkit bench`` takes); a resume takes the checkpoint's and
+            refuses another. Restored after.
 
     Returns:
         The log: settings, resolved policy, one record per epoch, the final one, the
@@ -393,8 +389,7 @@ def train(settings: TrainSettings, *, checkpoint: Optional[str] = None, resume: 
 
 def _threads(requested: Optional[int], state: Optional[dict[str, Any]], settings: TrainSettings,
              trainer: Trainer) -> tuple[int, str]:
-    """The epochs' threads and why: a resumed run's are the checkpoint's (another count
-    rounds a CPU's reductions otherwise, and the resume would not continue exactly)."""
+    """The epochs' threads and why; a resumed run's are the checkpoint's."""
     saved = None if state is None else state.get("threads")
     if saved is None:  # a fresh run, or a checkpoint written before it recorded them
         return threads_for(requested, torch.device(settings.device).type, lambda: trainer.model)
