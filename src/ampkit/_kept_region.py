@@ -23,8 +23,9 @@ from torch import nn
 # compiled region back into ampkit's switches (see autocast.py).
 from torch.amp.autocast_mode import autocast as _TorchAutocast
 
-from ._dtypes import HALF_DTYPES, cast_tree, has_autocast, iter_tensors
+from ._dtypes import HALF_DTYPES, cast_tensor, cast_tree, has_autocast, iter_tensors
 from ._torch_compat import is_compiling
+from .autocast import autocast
 from .convert import BoundForward
 
 
@@ -60,8 +61,6 @@ class Fp32Region:
                       state.get("around"))
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from .autocast import autocast  # autocast imports nothing of this module
-
         device = _device_type(module, args)
         # Made with the thread's local (no hasattr: a graph guarded on its absence at the
         # first call compiled again at the second).
@@ -81,7 +80,7 @@ class Fp32Region:
             region = autocast(device, enabled=False)
             region.__enter__()
         stack.append((region, restore))
-        return cast_tree(args, torch.float32), cast_tree(kwargs, torch.float32)
+        return _fp32(args), (cast_tree(kwargs, torch.float32) if kwargs else kwargs)
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
         stack = self._local.stack
@@ -179,14 +178,21 @@ def _traced_forward(kept: KeptForward, module: nn.Module, args: tuple, kwargs: d
     the eager region), and pushing one where overrides are registered but not in place
     would break the graph (overrides.push_frame).
     """
-    from .autocast import autocast  # autocast imports nothing of this module
-
     device = _device_type(module, args)
     if not (has_autocast(device) and torch.is_autocast_enabled(device) and _runs_fp32(module)):
         return _inner_forward(kept, module, args, kwargs)
     dtype = autocast(device, enabled=False).fast_dtype  # what the eager region sets
     with _TorchAutocast(device, dtype, enabled=False):
         return _inner_forward(kept, module, args, kwargs)
+
+
+def _fp32(args: tuple) -> tuple:
+    """``args`` with its floating tensors fp32 (``cast_tree``; tensor-only calls, the
+    usual ones, without its walk)."""
+    if all(arg.__class__ is torch.Tensor for arg in args):
+        return tuple(cast_tensor(arg, torch.float32) if arg.is_floating_point()
+                     and arg.dtype != torch.float32 else arg for arg in args)
+    return cast_tree(args, torch.float32)
 
 
 def _device_type(module: nn.Module, args: tuple) -> str:
