@@ -177,7 +177,7 @@ def test_a_strided_payload_is_refused_not_a_crash(capsys, tmp_path, ckpt):
 def test_a_damaged_run_record_of_an_nproc_checkpoint_is_refused(tmp_path, text):
     """A truncated or empty ampkit-train.json raised JSONDecodeError (exit 1)."""
     from ampkit.bench.errors import UsageError
-    from ampkit.bench.train_parallel import META, read_meta
+    from ampkit.bench.dcp_folder import META, read_meta
     (tmp_path / META).write_text(text)
     with pytest.raises(UsageError, match=r"cannot be read \(JSONDecodeError: .*\), the checkpoint "
                                          r"is damaged; valid: an intact copy"):

@@ -19,7 +19,7 @@ import torch
 
 import ampkit.cli.train as cli_train
 from ampkit.bench.launch import usable_cores
-from ampkit.bench.train_parallel import META, read_meta
+from ampkit.bench.dcp_folder import META, read_meta
 from ampkit.cli import main
 
 needs_two_cores = pytest.mark.skipif(usable_cores() < 2, reason="--nproc 2 needs 2 CPU cores")
@@ -86,17 +86,18 @@ def test_a_device_index_with_nproc_exits_2(capsys, no_launch, monkeypatch):
     assert "--device cuda:1 with --nproc" in line and "valid: --device cuda" in line
 
 
-def _two_rank_record(tmp_path: Path) -> Path:
-    """A checkpoint folder holding only the run record of a 2-rank O2 run at lr 1e-3."""
+def _two_rank_record(tmp_path: Path, nproc: int = 2, **fields: object) -> Path:
+    """A checkpoint folder holding only the run record of a 2-rank O2 run at lr 1e-3
+    (``nproc`` ranks, other record ``fields`` added)."""
     folder = tmp_path / "ckpt"
     folder.mkdir()
     settings = {"model": "mlp", "data": "synthetic", "policy": "O2", "batch_size": 64,
                 "lr": 1e-3, "seed": 0}
-    from ampkit.bench.train_parallel import _record_digest
+    from ampkit.bench.dcp_folder import record_digest
 
-    meta = {"format": "ampkit-train-dcp-2", "nproc": 2, "settings": settings, "history": [],
-            "sha256": {}}
-    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
+    meta = {"format": "ampkit-train-dcp-2", "nproc": nproc, "settings": settings, "history": [],
+            "sha256": {}, **fields}
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=record_digest(meta))))
     return folder
 
 
@@ -106,21 +107,21 @@ def test_a_dcp_checkpoint_whose_files_changed_is_refused_by_their_digests(tmp_pa
     import torch.distributed.checkpoint as dcp
 
     from ampkit.bench.errors import UsageError
-    from ampkit.bench.train_parallel import _digests, _record_digest
+    from ampkit.bench.dcp_folder import digests, record_digest
 
     folder = tmp_path / "ckpt"
     dcp.save({"w": torch.arange(64.0)}, checkpoint_id=str(folder))
     (tmp_path / "x").mkdir()
     meta = json.loads((_two_rank_record(tmp_path / "x") / META).read_text())
     del meta["record_sha256"]
-    meta = dict(meta, sha256=_digests(str(folder)))
-    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
-    assert read_meta(str(folder))["nproc"] == 2 and ".metadata" in _digests(str(folder))
-    (folder / META).write_text(json.dumps(dict(meta, nproc=3, record_sha256=_record_digest(meta))))
+    meta = dict(meta, sha256=digests(str(folder)))
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=record_digest(meta))))
+    assert read_meta(str(folder))["nproc"] == 2 and ".metadata" in digests(str(folder))
+    (folder / META).write_text(json.dumps(dict(meta, nproc=3, record_sha256=record_digest(meta))))
     with pytest.raises(UsageError, match=r"'ampkit-train.json' does not match the sha256 digest "
                                          r"recorded in it"):
         read_meta(str(folder))
-    (folder / META).write_text(json.dumps(dict(meta, record_sha256=_record_digest(meta))))
+    (folder / META).write_text(json.dumps(dict(meta, record_sha256=record_digest(meta))))
     shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
@@ -172,6 +173,39 @@ def test_a_refused_resume_prints_nothing_and_a_dcp_folder_is_named_without_nproc
     assert "is a checkpoint folder of ampkit train --nproc" in line and "valid: --nproc 2" in line
 
 
+def test_each_ranks_threads_are_asked_for_capped_or_the_checkpoints(capsys, no_launch,
+                                                                   tmp_path):
+    """--threads with --nproc was refused, where bench --nproc takes it as each rank's cap;
+    and a resume ran on the share of the cores of the machine it ran on, which rounds a
+    CPU's sums differently from the checkpoint's where the two differ (not exact)."""
+    from ampkit.bench.errors import UsageError
+    from ampkit.bench.parallel import Parallel, ParallelPlan
+    from ampkit.bench.train_parallel import rank_threads
+
+    plan = ParallelPlan(2, Parallel.DDP, "gloo", 3)
+    assert rank_threads(None, plan, None) == (
+        3, "3: each rank's share of the usable cores (3 for 2 ranks)")
+    assert rank_threads(2, plan, None) == (2, "2, as asked (--threads)")
+    assert rank_threads(8, plan, None) == (
+        3, "3: --threads 8 capped at each rank's share of the usable cores (3 for 2 ranks)")
+    assert rank_threads(None, plan, {"nproc": 2}) == rank_threads(None, plan, None)  # older
+    assert rank_threads(None, plan, {"threads": 5}) == (
+        5, "5, the checkpoint's (a resume continues on the same threads)")
+    assert rank_threads(5, plan, {"threads": 5})[0] == 5
+    with pytest.raises(UsageError, match=r"--threads 2: the checkpoint's ranks ran on 5 "
+                       r"thread\(s\) each.*valid: --threads 5, or leave it out"):
+        rank_threads(2, plan, {"threads": 5})
+    for bad in (True, 0, "2"):
+        with pytest.raises(UsageError, match=f"'threads' entry is {bad!r}; valid: an int >= 1"):
+            rank_threads(None, plan, {"threads": bad})
+    # Through the command: refused before launching, nothing printed on stdout.
+    folder = _two_rank_record(tmp_path, nproc=1, threads=1)
+    assert main([*RUN, "--nproc", "1", "--checkpoint", str(folder), "--resume",
+                 "--threads", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--threads 2: the checkpoint's ranks ran on 1" in captured.err
+
+
 # --- two ranks -----------------------------------------------------------------------------------
 def _train(tmp_path: Path, name: str, *argv: str) -> dict:
     out = tmp_path / f"{name}.json"
@@ -191,10 +225,15 @@ def test_two_ranks_save_and_resume_bitwise(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "saved.json"]  # no .tmp left
     assert len(read_meta(ckpt)["history"]) == 2
     assert saved["nproc"] == 2 and saved["backend"] == "gloo" and len(saved["epochs"]) == 2
+    share = max(1, usable_cores() // 2)  # each rank's share of the cores: its threads
+    assert read_meta(ckpt)["threads"] == saved["threads"] == share
+    assert saved["threads_reason"].startswith(f"{share}: each rank's share of the usable cores")
     out = capsys.readouterr().out
     assert "2 ranks (DDP, gloo)" in out and "epoch   2/2  train loss" in out
     resumed = _train(tmp_path, "resumed", "--epochs", "3", "--checkpoint", ckpt, "--resume")
     assert resumed["resumed_from_epoch"] == 2
+    assert resumed["threads_reason"] == f"{share}, the checkpoint's (a resume continues on " \
+        "the same threads)"
     lines = capsys.readouterr().out.splitlines()  # said before the epochs, not after them
     assert lines[1:3] == ["resumed after epoch 2 of the checkpoint", lines[2]]
     assert lines[2].startswith("epoch   3/3  train loss")
@@ -292,7 +331,7 @@ def test_a_folder_of_the_users_is_never_replaced_by_a_checkpoint(capsys, no_laun
 
 
 def test_an_empty_folder_or_a_checkpoint_folder_may_be_written(capsys, no_launch, tmp_path):
-    from ampkit.bench.train_parallel import check_checkpoint_dir
+    from ampkit.bench.dcp_folder import check_checkpoint_dir
 
     (tmp_path / "empty").mkdir()
     check_checkpoint_dir(str(tmp_path / "empty"), resume=False)
@@ -311,7 +350,7 @@ def test_another_programs_dcp_checkpoint_is_not_replaced(capsys, no_launch, tmp_
     (folder / "__0_0.distcp").write_bytes(b"x")
     line = _usage_error(capsys, "--nproc", "1", "--checkpoint", str(folder))
     assert "holds '.metadata'" in line and "not part of a checkpoint of ampkit train" in line
-    from ampkit.bench.train_parallel import _remove_checkpoint, check_checkpoint_dir
+    from ampkit.bench.dcp_folder import check_checkpoint_dir, remove_checkpoint
 
     # What a save killed before its record leaves at PATH.tmp: ampkit's scratch, removed.
     (tmp_path / "run.tmp").mkdir()
@@ -329,7 +368,7 @@ def test_another_programs_dcp_checkpoint_is_not_replaced(capsys, no_launch, tmp_
     real_remove = os.remove
     with mock.patch("os.remove", side_effect=lambda p: removed.append(os.path.basename(p))
                     or real_remove(p)):
-        _remove_checkpoint(str(tmp_path / "run.old"))
+        remove_checkpoint(str(tmp_path / "run.old"))
     assert removed == ["__0_0.distcp"] and not (tmp_path / "run.old").exists()
 
 

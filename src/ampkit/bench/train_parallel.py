@@ -11,19 +11,18 @@ record (the train loss averaged over the ranks) to the parent through a file the
 polls, and writes the log at the end.
 
 Checkpoints are DCP directories (``torch.distributed.checkpoint``): model, optimizer and
-GradScaler through ``ampkit.distributed.TrainState``, each rank's RNG state, the fp8
-delayed-scaling state, and ``ampkit-train.json`` (settings, nproc, history: the epoch,
-which with the seed fixes the data order). Each save goes to ``DIR.tmp`` and is renamed
-to ``DIR`` once every rank has written its part, so a rank that dies mid-save leaves the
-previous checkpoint whole.
+GradScaler through ``ampkit.distributed.TrainState``, each rank's RNG state and fp8
+delayed-scaling state, and the run record that ``bench.dcp_folder`` writes (settings,
+nproc, each rank's threads, which a resume takes, and the history: the epoch, which with
+the seed fixes the data order). Each save goes to ``DIR.tmp`` and is renamed to ``DIR``
+once every rank has written its part, so a rank that dies mid-save leaves the previous
+checkpoint whole.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import math
 import os
@@ -38,188 +37,97 @@ from torch import nn
 
 from ..fp8 import fp8_state_dict, load_fp8_state_dict
 from .data import Dataset, load_data
+from .dcp_folder import check_checkpoint_dir, read_meta, replace_folder, write_record
 from .errors import UsageError
-from .paths import check_can_create
 from .launch import exit_rank, launch_ranks, rank_main
 from .parallel import ParallelPlan
 from .stepcheck import Warn
 from .train import (OnEpoch, Trainer, TrainSettings, check_resume_settings, run_epoch,
                     train_log)
 
-__all__ = ["META", "check_checkpoint_dir", "check_parallel_train", "read_meta",
-           "run_parallel_train"]
+__all__ = ["check_parallel_train", "rank_threads", "run_parallel_train"]
 
-META = "ampkit-train.json"  # the run's settings, nproc, history and files' digests
-# Format 2 records the sha256 digest of every file DCP wrote; 1 (no digests) is refused.
-_FORMAT, _UNSEALED_FORMAT = "ampkit-train-dcp-2", "ampkit-train-dcp-1"
 _RESULT, _EVENTS = "log.json", "events.jsonl"
 
 
 # --- the parent ---------------------------------------------------------------------------------
-def check_checkpoint_dir(path: str, resume: bool) -> None:
-    """UsageError unless ``path`` can hold a DCP checkpoint (and holds one to resume)."""
-    if os.path.isfile(path):
-        raise UsageError(f"--checkpoint {path!r} is a file; with --nproc a checkpoint is a "
-                         "folder (torch.distributed.checkpoint); valid: a folder path")
-    if resume:
-        read_meta(path, verify=False)  # the files' digests: once, in check_parallel_train
-        return
-    for where in (path, path + ".tmp", path + ".old"):  # the run replaces or removes these
-        if os.path.islink(where):
-            raise UsageError(f"--checkpoint {path!r}: {where!r} is a link, and the run would "
-                             "replace or remove it; valid: a real folder path")
-        # PATH.tmp is ampkit's scratch: a save killed before its record leaves DCP files
-        # there without one. PATH.old always has its record (_remove_checkpoint takes it
-        # last), so DCP files there without one are another program's.
-        foreign = _foreign_entries(where, record=not where.endswith(".tmp"))
-        if foreign:
-            raise UsageError(
-                f"--checkpoint {path!r}: {where!r} holds {foreign[0]!r}, which is not part of "
-                "a checkpoint of ampkit train --nproc, and the run would "
-                f"{'replace' if where == path else 'remove'} that folder; "
-                "valid: a new or empty folder, or the folder of an earlier ampkit train "
-                "--nproc run")
-    try:
-        check_can_create(path)
-    except OSError as err:
-        raise UsageError(f"--checkpoint {path!r} cannot be written ({err.strerror or err}); "
-                         "valid: a folder path in a folder you can write to") from None
-
-
-def _foreign_entries(folder: str, record: bool) -> list[str]:
-    """What ``folder`` holds besides a DCP checkpoint's files and ampkit's record (a file
-    in its place counts as foreign too), sorted; [] when it does not exist or is empty.
-    ``record``: DCP files without ampkit's record are foreign too (another program's
-    checkpoint; only a save killed before its record, at PATH.tmp, leaves them so)."""
-    if not os.path.lexists(folder):
-        return []
-    if not os.path.isdir(folder):
-        return [os.path.basename(folder)]
-    names = os.listdir(folder)
-    foreign = sorted(name for name in names if not (
-        name == META or name.startswith(".metadata") or name.endswith(".distcp")))
-    if not foreign and record and names and META not in names:
-        return sorted(names)
-    return foreign
-
-
-def read_meta(path: str, *, verify: bool = True) -> dict[str, Any]:
-    """The run record of a DCP checkpoint that ``train --nproc`` wrote; ``verify``: also
-    check the sha256 digests of the record and of every file (reading all of them)."""
-    _finish_replace(path)
-    meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
-        raise UsageError(f"--resume: no ampkit train --nproc checkpoint at {path!r} (no {META}); "
-                         "valid: the --checkpoint folder of an earlier run with --nproc")
-    try:
-        with open(meta_path) as src:
-            meta = json.load(src)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(f"--resume: {meta_path!r} cannot be read ({type(err).__name__}: "
-                         f"{err}), the checkpoint is damaged; valid: an intact copy, or start "
-                         "again without --resume") from None
-    found = meta.get("format") if isinstance(meta, dict) else None
-    if found == _UNSEALED_FORMAT:
-        raise UsageError(f"--resume: checkpoint {path!r} has no sha256 digests (format "
-                         f"{found!r}, written by an earlier ampkit), so its content cannot be "
-                         f"verified; valid: a checkpoint in format {_FORMAT!r} (start again "
-                         "without --resume, or finish that run with the ampkit that wrote it)")
-    if found != _FORMAT:
-        raise UsageError(f"--resume: {meta_path!r} is not in format {_FORMAT!r}; valid: a "
-                         "checkpoint that ampkit train --nproc wrote")
-    if verify:
-        _check_digests(path, meta)
-    return meta
-
-
-def _digests(folder: str) -> dict[str, str]:
-    """The sha256 digest of every file under ``folder`` but the run record, by relative path."""
-    digests = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            full = os.path.join(root, name)
-            relative = os.path.relpath(full, folder)
-            if relative == META:
-                continue
-            digest = hashlib.sha256()
-            with open(full, "rb") as src:
-                for block in iter(lambda: src.read(1 << 20), b""):
-                    digest.update(block)
-            digests[relative] = digest.hexdigest()
-    return dict(sorted(digests.items()))
-
-
-def _record_digest(meta: dict[str, Any]) -> str:
-    """The sha256 digest of the run record itself (its settings, history and file digests)."""
-    record = {key: value for key, value in meta.items() if key != "record_sha256"}
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-
-
-def _check_digests(path: str, meta: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose record or files are not exactly those written (DCP checks
-    no sums)."""
-    expected = meta.get("sha256")
-    if not isinstance(expected, dict):
-        why = "its record holds no digests"
-    elif meta.get("record_sha256") != _record_digest(meta):
-        why = f"{META!r} does not match the sha256 digest recorded in it"
-    else:
-        found = _digests(path)
-        if found == expected:
-            return
-        name = next(n for n in sorted(set(found) | set(expected))
-                    if found.get(n) != expected.get(n))
-        why = (f"{name!r} is missing" if name not in found else
-               f"{name!r} was not written with it" if name not in expected else
-               f"{name!r} does not match the sha256 digest recorded when it was written")
-    raise UsageError(f"--resume: checkpoint {path!r} is corrupted: {why}; valid: an intact "
-                     "copy, or start again without --resume")
-
-
 def run_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
                        checkpoint: Optional[str] = None, resume: bool = False,
                        on_epoch: Optional[OnEpoch] = None,
                        on_warning: Optional[Warn] = None,
                        on_start: Optional[Callable[[Optional[int]], None]] = None,
-                       checked: bool = False) -> dict[str, Any]:
+                       checked: bool = False, threads: Optional[int] = None) -> dict[str, Any]:
     """Train on ``plan.nproc`` ranks under torchrun; the log :func:`train` would return.
     ``on_start`` is called once every rank has read its data, model and checkpoint,
     before the first epoch (an error a rank finds before then comes without it), with the
     epochs the checkpoint finished when resuming (else None), as :func:`train` calls it.
     ``checked``: the caller has just made :func:`check_parallel_train`'s checks (whose
-    digests read the whole checkpoint), which are then not made again.
+    digests read the whole checkpoint), which are then not made again. ``threads``: each
+    rank's intra-op threads (see :func:`rank_threads`), recorded in the checkpoint.
 
     Raises:
         UsageError: before launching: ``--resume`` without a checkpoint of this run's
-            settings and nproc, or a checkpoint path that cannot be written.
+            settings and nproc, another ``threads`` than the checkpoint's, or a checkpoint
+            path that cannot be written.
         RankError: a rank failed (the message names the first that did).
     """
     if not checked:
-        check_parallel_train(settings, plan, checkpoint=checkpoint, resume=resume)
+        check_parallel_train(settings, plan, checkpoint=checkpoint, resume=resume,
+                             threads=threads)
+    count, why = rank_threads(threads, plan, read_meta(str(checkpoint), verify=False)
+                              if resume else None)
     with tempfile.TemporaryDirectory(prefix="ampkit-ranks-") as folder:
         job = os.path.join(folder, "job.json")
         with open(job, "w") as out:
             json.dump({"settings": asdict(settings), "backend": plan.backend, "folder": folder,
-                       "threads": plan.threads, "resume": resume,
+                       "threads": count, "resume": resume,
                        "checkpoint": os.path.abspath(checkpoint) if checkpoint else None}, out)
         events = _EventReader(os.path.join(folder, _EVENTS), on_epoch, on_warning, on_start)
         result = os.path.join(folder, _RESULT)
-        launch_ranks(__name__, job, plan.nproc, plan.threads, folder, result, poll=events.poll)
+        launch_ranks(__name__, job, plan.nproc, count, folder, result, poll=events.poll)
         with open(result) as src:
-            return json.load(src)
+            return dict(json.load(src), threads=count, threads_reason=why)
 
 
 def check_parallel_train(settings: TrainSettings, plan: ParallelPlan, *,
-                         checkpoint: Optional[str] = None, resume: bool = False) -> None:
+                         checkpoint: Optional[str] = None, resume: bool = False,
+                         threads: Optional[int] = None) -> None:
     """The checks :func:`run_parallel_train` makes before it launches, alone (UsageError):
     a writable checkpoint folder, and to resume, an intact one (its digests) of these
-    settings and nproc."""
+    settings, nproc and threads."""
     if resume and not checkpoint:
         raise UsageError("--resume needs --checkpoint DIR (the checkpoint to continue)")
     if checkpoint:
         check_checkpoint_dir(checkpoint, resume)
     if resume and checkpoint:
-        _check_resume(read_meta(checkpoint), settings, plan.nproc, checkpoint)
+        meta = read_meta(checkpoint)
+        _check_resume(meta, settings, plan.nproc, checkpoint)
+        rank_threads(threads, plan, meta)
+
+
+def rank_threads(requested: Optional[int], plan: ParallelPlan,
+                 meta: Optional[dict[str, Any]]) -> tuple[int, str]:
+    """Each rank's intra-op threads and why: a resumed run's are its checkpoint's (a CPU's
+    sums round by the thread count, so another would not continue exactly; a checkpoint
+    written before they were recorded has none); else ``requested``, at most the rank's
+    share of the cores (as ``ampkit bench --nproc`` takes it); else that share."""
+    saved = None if meta is None else meta.get("threads")
+    if saved is not None and (type(saved) is not int or saved < 1):
+        raise UsageError(f"--resume: its run record's 'threads' entry is {saved!r}; valid: "
+                         "an int >= 1, as ampkit train --nproc writes it")
+    if saved is not None and requested is not None and requested != saved:
+        raise UsageError(f"--threads {requested}: the checkpoint's ranks ran on {saved} "
+                         "thread(s) each, and another count rounds a CPU's sums differently, "
+                         f"so the resumed run would not continue exactly; valid: --threads "
+                         f"{saved}, or leave it out")
+    if saved is not None:
+        return saved, f"{saved}, the checkpoint's (a resume continues on the same threads)"
+    share = f"each rank's share of the usable cores ({plan.threads} for {plan.nproc} ranks)"
+    if requested is None:
+        return plan.threads, f"{plan.threads}: {share}"
+    if requested > plan.threads:
+        return plan.threads, f"{plan.threads}: --threads {requested} capped at {share}"
+    return requested, f"{requested}, as asked (--threads)"
 
 
 def _check_resume(meta: dict[str, Any], settings: TrainSettings, nproc: int, path: str) -> None:
@@ -297,7 +205,7 @@ def _run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     settings = TrainSettings(**job["settings"])
-    torch.set_num_threads(job["threads"])
+    torch.set_num_threads(job["threads"])  # restored by the rank's exit
     if torch.device(settings.device).type == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
@@ -316,6 +224,7 @@ def _train_rank(settings: TrainSettings, job: dict[str, Any], rank: int,
     data = load_data(settings.data, settings.data_dir)
     trainer = RankTrainer(settings, data, lambda message: _event(events, rank, "warning", message),
                           rank, world)
+    trainer.threads = job["threads"]  # what the checkpoint records
     checkpoint = job["checkpoint"]
     start = _load(trainer, checkpoint) if job["resume"] else 0
     # Every rank has its data, model and checkpoint: DDP's construction (a broadcast from
@@ -357,39 +266,10 @@ def _save(trainer: RankTrainer, path: str) -> None:
     dist.barrier()
     dcp.save(_state(trainer), checkpoint_id=tmp)  # ends once every rank has written
     if trainer.rank == 0:
-        meta = {"format": _FORMAT, "settings": asdict(trainer.settings), "nproc": trainer.world,
-                "history": trainer.history, "sha256": _digests(tmp)}
-        meta["record_sha256"] = _record_digest(meta)
-        with open(os.path.join(tmp, META), "w") as out:
-            json.dump(meta, out)
-        _replace(tmp, path)
+        write_record(tmp, {"settings": asdict(trainer.settings), "nproc": trainer.world,
+                           "threads": trainer.threads, "history": trainer.history})
+        replace_folder(tmp, path)
     dist.barrier()
-
-
-def _replace(tmp: str, path: str) -> None:
-    """Put the folder ``tmp`` at ``path``; the previous checkpoint goes only once it is there."""
-    old = path + ".old"
-    _remove_checkpoint(old)
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _remove_checkpoint(old)
-
-
-def _remove_checkpoint(folder: str) -> None:
-    """Remove a checkpoint folder, its run record last: one that a kill interrupted still
-    has its record, so the next run knows it for ampkit's (and removes it)."""
-    if not os.path.isdir(folder):
-        return
-    for name in os.listdir(folder):
-        if name != META:
-            entry = os.path.join(folder, name)
-            if os.path.isdir(entry) and not os.path.islink(entry):
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.remove(entry)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _shared_fp8_histories(path: str) -> bool:
@@ -402,12 +282,6 @@ def _shared_fp8_histories(path: str) -> bool:
     except Exception:  # noqa: BLE001 - unreadable metadata: load_checkpoint reports it
         return False
     return any(key.startswith("fp8.") and not key.startswith("fp8.rank") for key in keys)
-
-
-def _finish_replace(path: str) -> None:
-    # A save killed between _replace's two renames left the previous checkpoint at .old.
-    if not os.path.exists(path) and os.path.isdir(path + ".old"):
-        os.replace(path + ".old", path)
 
 
 def _load(trainer: RankTrainer, path: str) -> int:

@@ -52,7 +52,8 @@ def add_parser(sub: Any) -> None:
                    "digests, is refused)")
     p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: 1 on a "
                    "CPU for models under 5M parameters, else torch's default; recorded in the "
-                   "JSON); with --nproc each rank takes its share of the cores instead")
+                   "JSON); with --nproc each rank's, at most its share of the cores (the default there); "
+                   "a resume takes the checkpoint's")
     p.add_argument("--nproc", type=int, metavar="N", help="train on N processes under torchrun "
                    "with DDP, each on its share of the data (gloo on a CPU, nccl on GPUs); the "
                    "checkpoint is then a torch.distributed.checkpoint folder")
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     spec = parse_policy(policy, torch.device(device).type)  # a bad name fails before loading data
     check_train_model(args.model)
     plan = _check_nproc(args.nproc, device)
-    _check_threads(args.threads, plan)
+    _check_threads(args.threads)
     if plan is None:
         _check_not_parallel_checkpoint(args.checkpoint)
     check_output_paths(json=args.json, checkpoint=None if plan else args.checkpoint)
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:  # before the header: a refused resume starts nothing
         from ..bench.train_parallel import check_parallel_train
 
-        check_parallel_train(settings, plan, checkpoint=args.checkpoint, resume=args.resume)
+        check_parallel_train(settings, plan, checkpoint=args.checkpoint, resume=args.resume,
+                             threads=args.threads)
     out = sys.stderr if args.json == "-" else sys.stdout
     ranks = f", {plan.nproc} rank{'s' if plan.nproc != 1 else ''} (DDP, {plan.backend})" \
         if plan else ""
@@ -128,7 +130,8 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
         return dict(run_parallel_train(settings, plan, checkpoint=args.checkpoint,
                                        resume=args.resume, on_epoch=on_epoch,
                                        on_warning=on_warning, on_start=on_start,
-                                       checked=True),  # run() checked it before the header
+                                       checked=True,  # run() checked it before the header
+                                       threads=args.threads),
                     **plan.fields())
     show = not args.quiet and sys.stdout.isatty() and args.json != "-"
     with report.Progress(enabled=show, keep_done=False) as progress:
@@ -140,7 +143,7 @@ def _train(args: argparse.Namespace, settings: Any, plan: Optional[ParallelPlan]
 def _check_not_parallel_checkpoint(path: Optional[str]) -> None:
     """Name a folder ``train --nproc`` wrote for what it is, without --nproc (it would be
     refused as a file path that "cannot be written")."""
-    from ..bench.train_parallel import META
+    from ..bench.dcp_folder import META
 
     meta = os.path.join(path, META) if path else ""
     if path and os.path.isdir(path) and os.path.isfile(meta):
@@ -155,13 +158,10 @@ def _check_not_parallel_checkpoint(path: Optional[str]) -> None:
                          "path for a run in this process")
 
 
-def _check_threads(threads: Optional[int], plan: Optional[ParallelPlan]) -> None:
-    """--threads: 1 to the CPU's logical cores, and not with --nproc (exit 2)."""
+def _check_threads(threads: Optional[int]) -> None:
+    """--threads: 1 to the CPU's logical cores (exit 2)."""
     if threads is None:
         return
-    if plan is not None:
-        raise UsageError(f"--threads {threads} with --nproc {plan.nproc}: each rank takes its "
-                         "share of the cores; valid: leave out --threads")
     try:
         check_threads("--threads", threads)
     except ValueError as err:
