@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -81,3 +82,57 @@ def test_a_plain_optimizer_is_not_taken_for_a_copy():
     _setup()  # registers ampkit's global step hook
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # no error: its params are not ampkit masters
+
+
+def _o2_fp16_steps(backward, steps=2, **kwargs):
+    """Two O2 fp16 steps on a small model, each backward done by ``backward(loss, opt)``;
+    the warnings they gave."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0, **kwargs)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            loss = model(torch.randn(8, 4).half()).float().pow(2).mean()
+            backward(loss, opt)
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in record]
+
+
+def _scaled(loss, opt):
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+
+
+def test_a_plain_backward_under_o2_fp16_with_loss_scaling_warns_once():
+    """A forgotten scale_loss under O2 fp16 trained without loss scaling, silently: its
+    small gradients flushed to zero (apex's step ignored such grads, also silently)."""
+    messages = _o2_fp16_steps(lambda loss, opt: loss.backward())
+    assert len(messages) == 1, messages  # once per optimizer, not per step
+    assert messages[0].startswith("optimizer.step() under opt_level O2 found fp16 gradients "
+                                  "on the model that no loss scaling scaled")
+    assert "amp.scale_loss(loss, optimizer)" in messages[0] and "loss_scale=1.0" in messages[0]
+    # Through scale_loss, or with a loss scale of 1 (unscaled on purpose): no warning.
+    assert _o2_fp16_steps(_scaled) == []
+    assert _o2_fp16_steps(lambda loss, opt: loss.backward(), loss_scale=1.0) == []
+
+
+def test_the_torch_style_o2_fp16_loop_with_a_grad_scaler_does_not_warn():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    scaler = amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with amp.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4).half()).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()

@@ -193,8 +193,9 @@ class MasterWeights:
 
     # --- gradients model -> master --------------------------------------------------------
     def move_grads(self, unscale: Optional[Callable[[list[Tensor]], None]] = None, *,
-                   keep: bool = False) -> None:
-        """Move the model's half gradients into the masters (fp32) and free them.
+                   keep: bool = False) -> bool:
+        """Move the model's half gradients into the masters (fp32) and free them; whether
+        there were any.
 
         ``unscale`` receives the new fp32 gradients (still scaled) before they join the
         masters' own, which are unscaled already; without it they join as they are.
@@ -208,13 +209,13 @@ class MasterWeights:
         gradient object, or an in-place add: autograd's version count).
         """
         if self._mirror is not None and unscale is None and not keep and self._mirrored():
-            return  # the step after a keeping move: these half grads are in the masters
+            return False  # the step after a keeping move: these half grads are in the masters
         self._mirror = None
         pending = [] if self.released else [
             (param, master) for param, master in zip(self.model_params, self.master_params)
             if param.grad is not None]
         if not pending and unscale is None:
-            return  # e.g. the step after scale_loss moved them
+            return False  # e.g. the step after scale_loss moved them
         params = [param for param, _ in pending]
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
@@ -243,7 +244,7 @@ class MasterWeights:
                 for master, grad in pairs:
                     master.grad = grad
                 self._mirror = [(p, p.grad, tensor_version(p.grad)) for p in params]
-                return
+                return bool(pending)
             adding = [(master, grad) for master, grad in pairs if master.grad is not None]
             for master, grad in pairs:
                 if master.grad is None:
@@ -261,6 +262,7 @@ class MasterWeights:
             if resized is None:
                 raise
             raise ValueError(resized) from err
+        return bool(pending)
 
     def _resized(self) -> Optional[str]:
         """Why a model parameter no longer fits its master (None when all fit)."""

@@ -36,6 +36,7 @@ from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
                             optimizer_step_function, register_optimizer_step_pre_hook)
 from ._fp16_eps import warn_if_eps_vanishes
+from ._warn import warn
 from .master import MASTER_MARK, ONE_MASTER_RULE, MasterWeights, owner_of
 
 ATTR = "_amp_stash"
@@ -65,6 +66,7 @@ class AmpStash:
     last_found_inf: Optional[Tensor] = None
     carried_inf: Optional[Tensor] = None
     stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
+    unscaled_warned: bool = False  # a step found fp16 grads that no loss scaling scaled
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
@@ -212,8 +214,9 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     if _skips(self, stash):
         return None  # step(closure) is not evaluated: the skip was decided before it
     masters = stash.masters
-    if masters is not None:
-        masters.move_grads()  # grads no scale_loss/unscale_ moved (e.g. a loss scale of 1)
+    # Grads no scale_loss/unscale_ moved (a loss scale of 1, or a plain backward).
+    if masters is not None and masters.move_grads() and not stash.unscaled_warned:
+        _warn_unscaled(stash, masters)
     closure = _closure_in(args, kwargs)
     if closure is not None:
         args, kwargs = _checked_closure(self, stash, closure, args, kwargs)
@@ -234,6 +237,22 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash.last_found_inf = stash.carried_inf = None  # the overflows counted for this step
     stash.stepped = True
     return result
+
+
+def _warn_unscaled(stash: AmpStash, masters: MasterWeights) -> None:
+    """Once per optimizer: fp16 grads of a plain ``backward()`` under an initialize that
+    scales the loss (its small grads flushed to zero; apex's step ignored them)."""
+    amp = stash.prepared_by
+    if amp is None or not (amp.enabled and amp.scaling) or not any(
+            p.dtype == torch.float16 for p in masters.model_params):
+        return
+    stash.unscaled_warned = True
+    warn(f"optimizer.step() under opt_level {amp.opt_level or 'O2'} found fp16 gradients on the "
+         "model that no loss scaling scaled (a plain loss.backward()): fp16 gradients below "
+         "about 6e-8 became zero, and the step applied the rest as they are. Wrap the backward "
+         "in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` (or "
+         "use ampkit.GradScaler), or pass loss_scale=1.0 to initialize to train unscaled. "
+         "Said once per optimizer")
 
 
 def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
