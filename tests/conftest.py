@@ -93,7 +93,7 @@ def _restore_torch_autocast() -> list[str]:
 
 def _reset_ampkit() -> list[str]:
     """Put every process-global of ampkit back to its import-time value; say what leaked."""
-    from ampkit import _state, master, optim, overrides, scaler
+    from ampkit import _orphan, _state, master, overrides, scaler
     from ampkit import _warn
     from ampkit.fp8 import attention as fp8_attention
 
@@ -107,10 +107,10 @@ def _reset_ampkit() -> list[str]:
     overrides.clear()  # also resets overrides._installed once the registry is empty
     _state.set_active(None)
     master._REGISTRY.clear()
-    for handle in optim._ORPHAN_HOOK:
+    for handle in _orphan._ORPHAN_HOOK:
         handle.remove()
-    optim._ORPHAN_HOOK.clear()
-    optim._IS_ORPHAN.clear()
+    _orphan._ORPHAN_HOOK.clear()
+    _orphan._IS_ORPHAN.clear()
     autocast._RESOLVED.clear()
     autocast._CHECKED_DEVICES.clear()
     scaler._TAKES_GRAD_SCALER.clear()

@@ -363,7 +363,9 @@ def test_overflow_skips_the_step_and_halves_the_scale(level, dtype):
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(masters, master_params(optimizer)))
     assert all(torch.equal(v, optimizer.state_dict()["state"][0][k]) for k, v in state.items())
-    assert all(p.grad is None for p in list(model.parameters()) + list(master_params(optimizer)))
+    # No inf/NaN left behind: each gradient dropped or zeroed, as zero_grad leaves them.
+    assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p))
+               for p in list(model.parameters()) + list(master_params(optimizer)))
     _step(model, optimizer, 2)  # the next clean step runs
     assert not torch.equal(params[0], model[0].weight)
     assert state_dict()["loss_scaler0"]["unskipped"] == 1
@@ -768,6 +770,24 @@ def test_a_skipped_first_step_warns_at_the_first_scheduler_step_as_apex_did(leve
             _step(model, optimizer, i, overflow=i == 2)
             scheduler.step()
     assert [g["lr"] for g in optimizer.param_groups] == [0.0125]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_skip_after_a_step_does_not_warn_at_the_first_scheduler_step(level):
+    """A skip set the scheduler's flag back to "no step called" even after real steps: a
+    per-epoch scheduler whose epoch ended on a skipped step (or a SequentialLR switching
+    after one) warned "lr_scheduler.step() before optimizer.step()", where torch's
+    GradScaler and apex do not (training probe)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(model, optimizer, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):  # one epoch: two steps, then a skip
+            _step(model, optimizer, i, overflow=i == 2)
+        scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.05]
 
 
 # --- checkpoints ------------------------------------------------------------------------------

@@ -136,3 +136,71 @@ def test_the_torch_style_o2_fp16_loop_with_a_grad_scaler_does_not_warn():
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+
+
+class _Branchy(nn.Module):
+    """A model whose branch ``b`` (Linear + BatchNorm) a forward may leave out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.bn, self.c = (nn.Linear(8, 8), nn.Linear(8, 8),
+                                           nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, x, use_b=True):
+        h = torch.relu(self.a(x))
+        return self.c(h + self.bn(self.b(h)) if use_b else h)
+
+
+def _branchy_steps(level, zero_grad):
+    """Three steps with SGD momentum and weight decay: the second overflows (skipped), the
+    third leaves branch b out; the model after them, and how far the third step moved
+    branch b's parameters."""
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    if level == "torch":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.float16,
+                                    verbosity=0)
+    g = torch.Generator().manual_seed(3)
+    names = ("b.weight", "bn.weight", "bn.bias")
+    for i in range(3):
+        before = [model.get_parameter(n).detach().float().clone() for n in names]
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        (model if zero_grad == "model" else opt).zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=level == "torch"):
+            out = model(x, use_b=i != 2)
+        loss = nn.functional.cross_entropy(out.float(), y) * (float("inf") if i == 1 else 1.0)
+        if level == "torch":
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if i == 1:  # the skip left no inf/NaN behind, and kept a gradient to zero
+                assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p))
+                           for p in amp.master_params(opt))
+    moved = {n: (model.get_parameter(n).float() - b).abs().max().item()
+             for n, b in zip(names, before)}
+    return model, moved
+
+
+@pytest.mark.parametrize("zero_grad", ["optimizer", "model"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_skip_keeps_zero_grads_so_an_unreached_branch_still_steps(level, zero_grad):
+    """A skipped step dropped every gradient to None: after zero_grad(set_to_none=False), a
+    parameter the next backward did not reach (a branch not taken) kept None and took no
+    momentum or weight-decay step, where torch's skip leaves its gradient to be zeroed
+    (O1 all of them, O2 its fp32 BatchNorm; training probe)."""
+    (model, moved), (reference, torch_moved) = (_branchy_steps(level, zero_grad),
+                                                _branchy_steps("torch", zero_grad))
+    if level == "O2" and zero_grad == "model":  # the model's half grads moved into the
+        del torch_moved["b.weight"]  # masters: model.zero_grad cannot zero them (documented)
+    for name, distance in torch_moved.items():
+        assert distance > 1e-3, name  # torch stepped it at the third step
+        assert moved[name] == pytest.approx(distance, rel=0.05), name
+        if level == "O1":  # the same arithmetic as torch.amp: equal bitwise
+            assert torch.equal(model.get_parameter(name), reference.get_parameter(name)), name

@@ -316,7 +316,8 @@ class MasterWeights:
         return self._freed_upto, set(self._freed)
 
     def refreed(self, freed: tuple[int, set[int]]) -> None:
-        """Put back what :meth:`freed` returned (a skipped step drops the grads, not them)."""
+        """Put back what :meth:`freed` returned (a skipped step drops the model's grads,
+        not this record of them)."""
         self._freed_upto, self._freed = freed
 
     def zero_model_grads(self, set_to_none: bool = True) -> None:

@@ -6,7 +6,7 @@
 ``hasattr(optimizer, "_amp_stash")`` to know that initialize ran):
 
 - ``step``: a no-op after an overflow that ``scale_loss`` found (params, masters and
-  optimizer state untouched; the grads are dropped), also one found in the first
+  optimizer state untouched; the grads zeroed, the masters' dropped), also one found in the first
   evaluation of a torch optimizer's ``step(closure)``. Otherwise the model's half
   gradients move into the fp32 masters, the inner step runs (a fused optimizer gets
   scale_loss's found-inf and skips on the device), and the masters are copied back into
@@ -16,14 +16,13 @@
 
 torch's ``Optimizer.__getstate__`` keeps only defaults, state and param_groups, so
 ``copy.deepcopy`` or pickling an initialized optimizer gives one without this wrapper,
-stepping copies of the masters that reach no model. A global step pre-hook refuses to
-step such a copy, rather than letting it train nothing.
+stepping copies of the masters that reach no model: ``_orphan`` refuses to step such a
+copy, rather than letting it train nothing.
 """
 
 from __future__ import annotations
 
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -33,13 +32,11 @@ from torch import Tensor
 from ._checks import short_repr
 from ._dtypes import HALF_DTYPES
 from ._fused import clear_if_skipped, fresh_momentum
-from ._torch_compat import (LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED,
-                            optimizer_step_function, register_optimizer_step_pre_hook)
+from ._torch_compat import LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED, optimizer_step_function
 from ._fp16_eps import warn_if_eps_vanishes
+from ._orphan import ATTR, refuse_orphans_once
 from ._warn import warn
-from .master import MASTER_MARK, ONE_MASTER_RULE, MasterWeights, owner_of
-
-ATTR = "_amp_stash"
+from .master import ONE_MASTER_RULE, MasterWeights, owner_of
 
 
 @dataclass(eq=False)
@@ -67,6 +64,9 @@ class AmpStash:
     carried_inf: Optional[Tensor] = None
     stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
     unscaled_warned: bool = False  # a step found fp16 grads that no loss scaling scaled
+    # An LR scheduler's ``_opt_called`` as the last step() left it: a skip puts it back (the
+    # scheduler's wrapper set it before calling step), as if no step had been called.
+    opt_called: bool = False
     # own_params' answer, with the param_groups layout it was computed for.
     own_cache: Optional[tuple[list, list[Tensor]]] = None
     # Called (then dropped) when step() begins: in a run of several processes, scale_loss's
@@ -143,12 +143,13 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
     if stash_of(optimizer) is not None:
         raise RuntimeError(f"optimizer {type(optimizer).__name__} was already prepared by "
                            "ampkit; an optimizer is prepared once")
-    stash = AmpStash(optimizer.step, optimizer.zero_grad, optimizer.add_param_group)
+    stash = AmpStash(optimizer.step, optimizer.zero_grad, optimizer.add_param_group,
+                     opt_called=getattr(optimizer, LR_SCHEDULER_STEP_CALLED, False) is True)
     if master_weights:
         stash.masters = MasterWeights()
         stash.masters.adopt_param_groups(optimizer.param_groups)
         _rebind_state(optimizer, stash.masters)
-        _refuse_orphans_once()
+        refuse_orphans_once()
     else:
         _recast_state(optimizer)
         warn_if_eps_vanishes(optimizer, optimizer.param_groups)
@@ -236,6 +237,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         masters.clear_master_grads()
     stash.last_found_inf = stash.carried_inf = None  # the overflows counted for this step
     stash.stepped = True
+    stash.opt_called = getattr(self, LR_SCHEDULER_STEP_CALLED, False) is True
     return result
 
 
@@ -271,17 +273,24 @@ def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
 
 
 def _skipped(optimizer: torch.optim.Optimizer) -> None:
-    """What a skipped step leaves: the inf/NaN grads dropped, and no step as far as an LR
-    scheduler's wrapper (which ran first) is concerned: a skipped first step warns
-    "lr_scheduler.step() before optimizer.step()", as it did under apex (it swapped in a
-    step the wrapper never saw) and torch's GradScaler."""
-    masters = master_weights_of(optimizer)
-    freed = None if masters is None else masters.freed()
-    optimizer.zero_grad(set_to_none=True)
-    if freed is not None:  # a user's zero_grad(set_to_none=False) zeroes them as after a step
-        masters.refreed(freed)
+    """What a skipped step leaves: the inf/NaN grads zeroed in place (as torch's
+    ``zero_grad(set_to_none=False)`` does; the masters', consumed by every step, dropped),
+    so none leaks into the next iteration, while a parameter the next backward does not
+    reach still steps after a ``zero_grad(set_to_none=False)``, as after torch's skip. An
+    LR scheduler's wrapper (which ran first) sees no step: its flag goes back to what the
+    last step left, so a skipped first step warns "lr_scheduler.step() before
+    optimizer.step()", as under apex and torch's GradScaler, and a later one does not."""
+    stash: AmpStash = getattr(optimizer, ATTR)
+    masters = stash.masters
+    if masters is not None:
+        freed = masters.freed()
+        masters.clear_master_grads()
+        masters.zero_model_grads(set_to_none=True)
+        masters.refreed(freed)  # a user's zero_grad(set_to_none=False) zeroes them, as after a step
+    stash.inner_zero_grad(set_to_none=False)
+    _forget_grads(stash)
     if getattr(optimizer, LR_SCHEDULER_STEP_CALLED, None) is True:
-        setattr(optimizer, LR_SCHEDULER_STEP_CALLED, False)
+        setattr(optimizer, LR_SCHEDULER_STEP_CALLED, stash.opt_called)
 
 
 def _closure_in(args: tuple, kwargs: dict) -> Optional[Callable[[], Any]]:
@@ -374,9 +383,13 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     stash.inner_zero_grad(set_to_none=set_to_none)
     if stash.masters is not None:
         stash.masters.zero_model_grads(set_to_none)
+    _forget_grads(stash)
+
+
+def _forget_grads(stash: AmpStash) -> None:
+    """What zero_grad (or a skip) ends: the state of the gradients held until now."""
     stash.grads_unscaled = False
-    stash.pending_found_inf = None
-    stash.delayed_inv = None
+    stash.pending_found_inf = stash.delayed_inv = None
     stash.last_found_inf = stash.carried_inf = None
     stash.stepped = False
 
@@ -408,37 +421,3 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
                          "optimizers anew and pass them to ampkit.initialize again)")
     stash.inner_add_param_group(dict(group, params=params))
     masters.adopt_param_groups(self.param_groups[-1:])
-
-
-# --- copies that lost the wrapper -----------------------------------------------------------
-_ORPHAN_HOOK: list[Any] = []
-_IS_ORPHAN: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-
-
-def is_orphan(optimizer: torch.optim.Optimizer) -> bool:
-    """True for an optimizer that steps ampkit masters without ampkit's wrapper (a copy)."""
-    if ATTR in optimizer.__dict__:
-        return False
-    orphan = _IS_ORPHAN.get(optimizer)
-    if orphan is None:
-        orphan = _IS_ORPHAN[optimizer] = any(
-            getattr(p, MASTER_MARK, False) for g in optimizer.param_groups for p in g["params"])
-    return orphan
-
-
-ORPHAN_MESSAGE = (
-    "{name} steps copies of ampkit fp32 master weights but is not linked to any model: "
-    "copy.deepcopy and pickle keep only an optimizer's defaults, state and param_groups, so "
-    "the copy would update masters that never reach the model. Valid: copy.deepcopy the "
-    "model and optimizer before ampkit.initialize, or build a new optimizer over the copied "
-    "model and pass both to ampkit.initialize")
-
-
-def _refuse_orphan(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if is_orphan(optimizer):
-        raise RuntimeError(ORPHAN_MESSAGE.format(name=type(optimizer).__name__))
-
-
-def _refuse_orphans_once() -> None:
-    if not _ORPHAN_HOOK:
-        _ORPHAN_HOOK.append(register_optimizer_step_pre_hook(_refuse_orphan))

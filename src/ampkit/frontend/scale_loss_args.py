@@ -12,7 +12,8 @@ from torch import Tensor
 
 from .. import _state
 from .._warn import warn
-from ..optim import ORPHAN_MESSAGE, AmpStash, as_optimizers, is_orphan, stash_of
+from .._orphan import ORPHAN_MESSAGE, is_orphan
+from ..optim import AmpStash, as_optimizers, stash_of
 
 
 def require_initialized() -> _state.ActiveAmp:
