@@ -672,3 +672,39 @@ def test_zero_grad_keeping_zeros_after_a_skipped_step_still_steps_an_unreached_p
             scaled.backward()
         optimizer.step()
     assert not torch.equal(master_of(model.b.weight), before)  # momentum moved it
+
+
+def test_the_masters_go_with_their_optimizer():
+    """The fp32 masters outlived their optimizer in a registry: after the model trained on
+    with another optimizer (.float(), fp32 fine-tuning), model.state_dict() still saved the
+    masters of the O2 phase, silently, and their memory was never freed (lifecycle probe)."""
+    import gc
+    import weakref
+
+    import ampkit as amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2",
+                                      half_dtype=torch.bfloat16, verbosity=0)
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    masters = list(amp.master_params(optimizer))
+    state = model.state_dict()  # while the optimizer lives: the masters (detached)
+    assert all(state[name].data_ptr() == m.data_ptr() for name, m in zip(
+        ("0.weight", "0.bias", "2.weight", "2.bias"), masters))
+    refs = [weakref.ref(m) for m in masters]
+    del optimizer, masters, state, scaled
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 4  # freed with their optimizer
+    model.float()  # a plain fp32 phase, without ampkit
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        other.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        other.step()
+    state = model.state_dict()
+    assert all(torch.equal(state[name], p) for name, p in model.named_parameters())
