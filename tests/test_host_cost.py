@@ -138,7 +138,7 @@ def _move_cost(model: nn.Module, monkeypatch, accumulate: bool) -> tuple[int, in
     import gc
     import sys
 
-    from ampkit import master
+    from ampkit import _grad_move
     from ampkit.optim import master_weights_of
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,8 +155,9 @@ def _move_cost(model: nn.Module, monkeypatch, accumulate: bool) -> tuple[int, in
         masters.clear_master_grads()  # as a step does
     backward()
     copies, calls = [], 0
-    copy = master.foreach_copy_
-    monkeypatch.setattr(master, "foreach_copy_", lambda dst, src: copies.append(len(dst)) or copy(dst, src))
+    copy = _grad_move.foreach_copy_
+    monkeypatch.setattr(_grad_move, "foreach_copy_",
+                        lambda dst, src: copies.append(len(dst)) or copy(dst, src))
 
     def profile(frame, event, arg):
         nonlocal calls

@@ -440,7 +440,7 @@ def test_an_overflow_inside_a_closure_reaches_no_weight(level):
 def _channels_last_convnet():
     torch.manual_seed(0)
     layers = []
-    for _ in range(5):  # 10 conv params: more than a move casts one by one (master._FEW)
+    for _ in range(5):  # 10 conv params: more than a move casts one by one (_grad_move._FEW)
         layers += [nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 8 * 8, 2)).to(
         memory_format=torch.channels_last)

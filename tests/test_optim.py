@@ -204,3 +204,59 @@ def test_a_skip_keeps_zero_grads_so_an_unreached_branch_still_steps(level, zero_
         assert moved[name] == pytest.approx(distance, rel=0.05), name
         if level == "O1":  # the same arithmetic as torch.amp: equal bitwise
             assert torch.equal(model.get_parameter(name), reference.get_parameter(name)), name
+
+
+def _o2_bf16(**kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level="O2", half_dtype=BF16, verbosity=0, **kwargs)
+
+
+def test_a_disabled_grad_scalers_unscale_moves_o2_grads_for_the_clip():
+    """GradScaler(enabled=use_fp16) is disabled in a bf16 run: its unscale_ did nothing, the
+    half grads stayed on the model until step(), so a clip through amp.master_params saw no
+    gradient (norm 0) and the step applied the unclipped one (training probe: 4.26 instead
+    of 0.001)."""
+    model, opt = _o2_bf16()
+    scaler = amp.GradScaler("cpu", enabled=False)
+    x = torch.randn(16, 4)
+    scaler.scale(model(x.to(BF16)).float().pow(2).sum() * 100).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.01)
+    assert norm > 1.0 and all(p.grad is not None for p in amp.master_params(opt))
+    assert all(p.grad is None for p in model.parameters())  # moved, not copied
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    scaler.step(opt)
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(amp.master_params(opt), before)])
+    assert moved.norm().item() == pytest.approx(0.1 * 0.01, rel=1e-3)  # lr times the clip
+
+
+def test_master_params_warns_when_the_grads_have_not_moved_yet():
+    """Clipping through amp.master_params before the grads joined the masters (a
+    GradScaler loop without unscale_, a plain backward) clipped nothing, silently."""
+    model, opt = _o2_bf16()
+    scaler = amp.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        list(amp.master_params(opt))  # before any backward: nothing to say
+        for _ in range(2):
+            scaler.scale(model(torch.randn(4, 4).to(BF16)).float().sum()).backward()
+            list(amp.master_params(opt))  # too early: the grads are on the model
+            scaler.unscale_(opt)
+            list(amp.master_params(opt))  # after unscale_: they are in the masters
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1, messages  # once per optimizer
+    assert messages[0].startswith("amp.master_params(optimizer) found gradients still on "
+                                  "the half model")
+    assert "scaler.unscale_(optimizer)" in messages[0]
+    model, opt = _o2_bf16()  # the apex loop: moved at the scale_loss exit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(model(torch.randn(4, 4).to(BF16)).float().sum(), opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+        opt.step()

@@ -7,8 +7,8 @@ that reaches a model during another model's backward (a GAN's generator loss flo
 through the discriminator) stays on that model until its own ``zero_grad``, as it would
 in fp32. They move into the masters only when the optimizer that owns them unscales
 (``scale_loss``, ``GradScaler.unscale_``) or steps: :meth:`MasterWeights.move_grads`
-converts them bucket by bucket (at most 8 per device) into fp32, each bucket with one
-foreach copy into one buffer (a cast per gradient in a bucket of a few), frees each
+converts them bucket by bucket (at most 8 per device) into fp32 (``_grad_move``), each
+bucket with one foreach copy into one buffer (a cast per gradient in a bucket of a few), frees each
 bucket's half gradients as it goes, and the unscale kernel then reads the new fp32
 gradients as one tensor list. After each optimizer step the masters are copied back into
 the model with one foreach copy per dtype.
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from ._dtypes import HALF_DTYPES
-from ._torch_compat import foreach_add_, foreach_copy_, tensor_version, unflatten_dense_tensors
+from . import _grad_move
+from ._torch_compat import foreach_add_, foreach_copy_, tensor_version
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -152,7 +153,7 @@ class MasterWeights:
         self._copy_groups: Optional[list[tuple[list[Tensor], list[Tensor]]]] = None
         # The move's buckets when every model param has a dense gradient (the usual step),
         # built once: a step's move then costs O(buckets) host work, not O(params).
-        self._full_plan: Optional[_Plan] = None
+        self._full_plan: Optional[_grad_move.Plan] = None
         # What ``move_grads(keep=True)`` copied into the masters: (param, its half grad, that
         # grad's version). While the model's grads are still exactly these, unchanged, the
         # step must not move them again.
@@ -231,7 +232,7 @@ class MasterWeights:
                 resized = self._resized()  # named before any gradient is freed
                 if resized is not None:
                     raise ValueError(resized)
-                self._full_plan = _plan(params, masters)
+                self._full_plan = _grad_move.plan(params, masters)
                 self._full_count = len(params)
             plan = self._full_plan
             if not keep:
@@ -241,7 +242,7 @@ class MasterWeights:
             if not keep:
                 self._freed.update(id(p) for p in params if not p.grad.is_sparse)
         try:  # free when nothing raises (one frame, no call)
-            new = _to_fp32(params, masters, plan, free=not keep)
+            new = _grad_move.to_fp32(params, masters, plan, free=not keep)
             if unscale is not None:
                 unscale(new)
             pairs = [(master, grad) for (_, master), grad in zip(pending, new)]
@@ -318,6 +319,11 @@ class MasterWeights:
         return all(p.grad is grad and tensor_version(grad) == version
                    for p, grad, version in mirror)
 
+    def holds_model_grads(self) -> bool:
+        """Whether the model holds half gradients that no move took into the masters yet."""
+        return not self.released and any(p.grad is not None for p in self.model_params) and \
+            not (self._mirror is not None and self._mirrored())
+
     def freed(self) -> tuple[int, set[int]]:
         """Which half grads moves freed (see :meth:`zero_model_grads`), to put back."""
         return self._freed_upto, set(self._freed)
@@ -359,95 +365,3 @@ class MasterWeights:
                 del _REGISTRY[id(param)]
             if _SUSPENDED and _suspended(param)[1] is not None:
                 del _SUSPENDED[id(param)]
-
-
-# The move converts a device's half gradients in up to this many buckets, freeing each
-# bucket's half gradients once it is copied: the move then holds at most 1/8 of them
-# twice. A bucket holds at least _MIN_BUCKET elements (256 KiB in fp32), so a small model
-# moves in one bucket (each bucket costs a few host-side ops).
-_BUCKETS = 8
-_MIN_BUCKET = 1 << 16
-# A bucket of at most this many gradients casts each one (a kernel per gradient, still at
-# most _FEW per bucket): cheaper on the host than a buffer, its views (two ops per
-# gradient, made each step) and one copy: 25 against 80 us for the 4 gradients of a small
-# MLP on a CPU (benchmarks/bench_host.py's mlp).
-_FEW = 8
-
-
-# (sparse gradient indices, strided indices, [(device, [(bucket indices, bucket numel)])]):
-# how a move converts the gradients of a list of params.
-_Plan = tuple[list[int], list[int], list[tuple[torch.device, list[tuple[list[int], int]]]]]
-
-
-def _plan(params: list[Tensor], masters: list[Tensor]) -> _Plan:
-    """Sparse gradients apart, and those of masters in another memory layout than the
-    contiguous one (channels_last); the rest per device, cut into buckets (see _buckets)."""
-    sparse: list[int] = []
-    strided: list[int] = []
-    dense: dict[torch.device, list[int]] = defaultdict(list)
-    for i, (param, master) in enumerate(zip(params, masters)):
-        if param.grad.is_sparse:
-            sparse.append(i)
-        elif not master.is_contiguous():
-            strided.append(i)
-        else:
-            dense[param.grad.device].append(i)
-    devices = []
-    for device, indices in dense.items():
-        numels = [params[i].numel() for i in indices]
-        size_of = dict(zip(indices, numels))
-        devices.append((device, [(bucket, sum(size_of[i] for i in bucket))
-                                 for bucket in _buckets(indices, numels)]))
-    return sparse, strided, devices
-
-
-def _to_fp32(params: list[Tensor], masters: list[Tensor], plan: Optional[_Plan] = None, *,
-             free: bool = True) -> list[Tensor]:
-    """fp32 copies of the params' half gradients, each in its master's memory layout (a
-    fused optimizer pairs a param's and its gradient's elements by memory position); the
-    half gradients are freed (set to None) unless ``free`` is False.
-
-    Those of contiguous masters: one buffer, one call for its views and one foreach copy
-    per bucket of a device (O(buckets) copies, no kernel per gradient), or one cast per
-    gradient in a bucket of at most _FEW; the others (sparse, channels_last) one by one.
-    ``plan``: ``_plan(params, masters)``, when the caller has it already.
-    """
-    sparse, strided, devices = plan if plan is not None else _plan(params, masters)
-    out: list[Optional[Tensor]] = [None] * len(params)
-    for i in sparse:
-        out[i] = params[i].grad.float()
-    for i in strided:
-        out[i] = torch.empty_like(masters[i], dtype=torch.float32).copy_(params[i].grad)
-    if free:
-        for i in sparse + strided:
-            params[i].grad = None
-    for device, buckets in devices:
-        for bucket, numel in buckets:
-            grads = [params[i].grad for i in bucket]
-            if len(grads) <= _FEW:
-                views = [grad.to(torch.float32, memory_format=torch.contiguous_format)
-                         for grad in grads]
-            else:
-                flat = torch.empty(numel, dtype=torch.float32, device=device)
-                views = unflatten_dense_tensors(flat, grads)
-                foreach_copy_(views, grads)
-            for i, view in zip(bucket, views):
-                out[i] = view
-            if free:
-                for param in [params[i] for i in bucket]:
-                    param.grad = None
-    return out  # type: ignore[return-value]
-
-
-def _buckets(indices: list[int], sizes: list[int]) -> list[list[int]]:
-    """``indices`` in order, cut into at most _BUCKETS runs of about equal total size."""
-    target = max(_MIN_BUCKET, -(-sum(sizes) // _BUCKETS))
-    buckets: list[list[int]] = [[]]
-    filled = 0
-    for index, size in zip(indices, sizes):
-        if filled >= target:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(index)
-        filled += size
-    return buckets

@@ -434,7 +434,10 @@ class GradScaler(torch.amp.GradScaler):
 
         Example: ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, 1.0)``.
         """
-        if not self._enabled:
+        if not self._enabled:  # nothing to unscale; O2's gradients still join the masters
+            masters = master_weights_of(optimizer)
+            if masters is not None:
+                masters.move_grads()
             return
         self._check_scale_growth_tracker("unscale_")
         if optimizer.__class__ not in _CHECKED_OPTIMIZERS:
