@@ -339,6 +339,28 @@ def test_load_state_dict_in_torchs_swap_mode_loads_the_masters():
     assert not torch.equal(trained, loaded["2.weight"])  # it trained
 
 
+def test_casting_an_o2_model_in_torchs_swap_mode():
+    """.float(), .double() and .to(dtype) of an O2 model in torch's swap mode raised
+    "Cannot swap t1 because it has weakref associated with it" half-way through (modules
+    before the failing one converted), where plain torch and O0/O1/O3 convert (lifecycle
+    probe): the masters' registry held weak references to the params."""
+    model, optimizer, masters = _o2_net()
+    params = list(model.parameters())
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.float()
+        assert all(p is q for p, q in zip(params, model.parameters()))  # swapped in place
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        state = model.state_dict()  # still the masters
+        assert all(state[name].data_ptr() == master_of(p).data_ptr()
+                   for name, p in model.named_parameters() if master_of(p) is not None)
+        model.double()
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 def test_a_swap_mode_load_that_raises_leaves_every_master_linked():
     """A load that raised after a module's pre-hook had set its params' masters aside
     (for swap_tensors) left them unlinked: state_dict then saved the half params cast up
