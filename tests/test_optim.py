@@ -260,3 +260,36 @@ def test_master_params_warns_when_the_grads_have_not_moved_yet():
             scaled.backward()
         torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
         opt.step()
+
+
+def test_frozen_params_left_out_of_the_optimizer_warn_when_added_later():
+    """Parameters no optimizer stepped at initialize (a frozen backbone) were cast to half
+    with no fp32 copy, and a group adding them later built masters from the rounded values,
+    silently (training probe). It warns; the recipe, every parameter in the optimizer from
+    the start, keeps them exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)  # the head only
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    assert not torch.equal(model.state_dict()["0.weight"], pretrained["0.weight"])  # rounded
+    model[0].requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"add_param_group: 2 half parameter\(s\) join this "
+                      "optimizer without an fp32 master"):
+        opt.add_param_group({"params": model[0].parameters(), "lr": 0.01})
+    with warnings.catch_warnings():  # the recipe: frozen params in the optimizer from the start
+        warnings.simplefilter("error")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        model[0].requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                    verbosity=0)
+        state = model.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in pretrained.items())
+        with amp.scale_loss(model(torch.randn(4, 64).half()).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert torch.equal(model.state_dict()["0.weight"], pretrained["0.weight"])  # no step

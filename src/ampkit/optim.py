@@ -421,4 +421,11 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
                          "valid: parameters of no other optimizer (to move one, build the "
                          "optimizers anew and pass them to ampkit.initialize again)")
     stash.inner_add_param_group(dict(group, params=params))
+    fresh = sum(p.dtype in HALF_DTYPES and owner_of(p) is None for p in params)
     masters.adopt_param_groups(self.param_groups[-1:])
+    if fresh:
+        warn(f"add_param_group: {fresh} half parameter(s) join this optimizer without an fp32 "
+             "master, which starts from their half values: one that was fp32 before "
+             "initialize (a frozen layer unfrozen now) lost its low bits to initialize's cast. "
+             "For staged unfreezing, pass every parameter to the optimizer before initialize "
+             "(requires_grad=False ones take no step until unfrozen), or keep_fp32 them")
