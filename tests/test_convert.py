@@ -361,6 +361,31 @@ def test_casting_an_o2_model_in_torchs_swap_mode():
         torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
+@pytest.mark.parametrize("masters", [True, False], ids=["O2", "no-masters"])
+def test_swap_mode_works_while_a_state_dict_of_the_half_model_lives(masters):
+    """A state dict of a half model without masters (O3, or O2 once its optimizer is
+    gone) kept weak references to the parameters it copied: while it lived, swap-mode
+    load_state_dict, .float() and .to() raised "Cannot swap t1 because it has weakref
+    associated with it" (new-behaviour probe)."""
+    if masters:
+        model, optimizer, _ = _o2_net()
+    else:
+        model = _net()
+        convert_model(model, param_dtype=torch.bfloat16)
+    state = model.state_dict()  # alive through the swaps
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(state)
+        model.float()
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert all(torch.equal(model.state_dict()[k].float(), v) for k, v in state.items()
+               if v.is_floating_point())
+
+
 def test_a_swap_mode_load_that_raises_leaves_every_master_linked():
     """A load that raised after a module's pre-hook had set its params' masters aside
     (for swap_tensors) left them unlinked: state_dict then saved the half params cast up

@@ -149,12 +149,13 @@ def _fp32(tensor: Tensor) -> Tensor:
 
 
 # Per state dict being written (by id, while it lives): the fp32 copy made of each half
-# parameter, so one parameter under two names (tied weights) is one tensor in it, as in
-# an fp32 model's state dict, and a checkpoint holds it once. A copy is reused only for
-# the same parameter (a weak reference, not an id a later one may get) whose values it
-# still holds exactly: a destination written again after the parameter changed (through
-# ``.data`` too, which autograd's version count misses) gets a new copy.
-_COPIES: dict[int, dict[int, tuple[weakref.ref, Tensor]]] = {}
+# parameter (by id), so one parameter under two names (tied weights) is one tensor in it,
+# as in an fp32 model's state dict, and a checkpoint holds it once. A copy is reused only
+# while it still holds the parameter's values exactly: a destination written again after
+# the parameter changed (through ``.data`` too, which autograd's version count misses)
+# gets a new copy. No reference to the parameter is kept, not even a weak one: torch's
+# swap_tensors (swap mode's load_state_dict and .to()) refuses weakly referenced tensors.
+_COPIES: dict[int, dict[int, Tensor]] = {}
 
 
 def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
@@ -168,11 +169,10 @@ def _fp32_of(state_dict: dict, param: Tensor, value: Tensor) -> Tensor:
             return _fp32(value)
         copies = _COPIES[id(state_dict)] = {}
     seen = copies.get(id(param))
-    if (seen is not None and seen[0]() is param and seen[1].shape == value.shape
-            and torch.equal(seen[1].to(value.dtype), value)):  # a tie, or a destination reused
-        return seen[1]
-    copy = _fp32(value)
-    copies[id(param)] = (weakref.ref(param), copy)
+    if (seen is not None and seen.shape == value.shape
+            and torch.equal(seen.to(value.dtype), value)):  # a tie, or a destination reused
+        return seen
+    copy = copies[id(param)] = _fp32(value)
     return copy
 
 
