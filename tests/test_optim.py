@@ -232,7 +232,7 @@ def test_a_disabled_grad_scalers_unscale_moves_o2_grads_for_the_clip():
     assert moved.norm().item() == pytest.approx(0.1 * 0.01, rel=1e-3)  # lr times the clip
 
 
-def test_master_params_warns_when_the_grads_have_not_moved_yet():
+def test_master_params_read_before_the_grads_moved_warns_at_their_move():
     """Clipping through amp.master_params before the grads joined the masters (a
     GradScaler loop without unscale_, a plain backward) clipped nothing, silently."""
     model, opt = _o2_bf16()
@@ -242,24 +242,49 @@ def test_master_params_warns_when_the_grads_have_not_moved_yet():
         list(amp.master_params(opt))  # before any backward: nothing to say
         for _ in range(2):
             scaler.scale(model(torch.randn(4, 4).to(BF16)).float().sum()).backward()
-            list(amp.master_params(opt))  # too early: the grads are on the model
-            scaler.unscale_(opt)
-            list(amp.master_params(opt))  # after unscale_: they are in the masters
-            scaler.step(opt)
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)  # too early
+            scaler.step(opt)  # unscale_ moves the grads the clip did not see: it warns
             scaler.update()
             opt.zero_grad()
     messages = [str(w.message) for w in record]
     assert len(messages) == 1, messages  # once per optimizer
-    assert messages[0].startswith("amp.master_params(optimizer) found gradients still on "
-                                  "the half model")
+    assert messages[0].startswith("amp.master_params(optimizer) was read while gradients "
+                                  "were still on the half model")
     assert "scaler.unscale_(optimizer)" in messages[0]
-    model, opt = _o2_bf16()  # the apex loop: moved at the scale_loss exit
+
+
+def test_master_params_read_in_legitimate_loops_does_not_warn():
+    """The warning's false positives (new-behaviour probe): the zeros zero_grad(False)
+    puts back read for an EMA of the masters, and a GAN's discriminator read for logging
+    while it holds the generator loss's gradients, which netD.zero_grad() then drops."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with amp.scale_loss(model(torch.randn(4, 4).to(BF16)).float().sum(), opt) as scaled:
-            scaled.backward()
-        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
-        opt.step()
+        model, opt = _o2_bf16()
+        for _ in range(3):
+            opt.zero_grad(set_to_none=False)
+            ema = [p.detach().clone() for p in amp.master_params(opt)]  # weights, not grads
+            with amp.scale_loss(model(torch.randn(4, 4).to(BF16)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+        torch.manual_seed(0)
+        netG, netD = nn.Linear(4, 4), nn.Linear(4, 1)
+        optG = torch.optim.SGD(netG.parameters(), lr=0.1)
+        optD = torch.optim.SGD(netD.parameters(), lr=0.1)
+        (netG, netD), (optG, optD) = amp.initialize([netG, netD], [optG, optD], opt_level="O2",
+                                                    half_dtype=BF16, num_losses=2, verbosity=0)
+        for _ in range(2):
+            optG.zero_grad()
+            with amp.scale_loss(netD(netG(torch.randn(4, 4).to(BF16))).float().mean(), optG,
+                                loss_id=0) as s:
+                s.backward()  # leaves gradients on netD too
+            optG.step()
+            norm = sum(p.norm() for p in amp.master_params(optD))  # logging D's weights
+            netD.zero_grad()
+            with amp.scale_loss(netD(torch.randn(4, 4).to(BF16)).float().mean(), optD,
+                                loss_id=1) as s:
+                s.backward()
+            optD.step()
+    assert ema and norm > 0
 
 
 def test_frozen_params_left_out_of_the_optimizer_warn_when_added_later():

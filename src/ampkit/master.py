@@ -30,6 +30,7 @@ from torch import Tensor
 from ._dtypes import HALF_DTYPES
 from . import _grad_move
 from ._torch_compat import foreach_add_, foreach_copy_, tensor_version
+from ._warn import warn
 
 # Set on each master tensor (a plain tensor, whose attributes survive copy.deepcopy and
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
@@ -128,6 +129,12 @@ class MasterWeights:
         self._freed_upto = 0
         self._freed: set[int] = set()
         self._full_count = 0  # the params the full plan covers
+        # The half grads (by id: the tensor, its version) that ``amp.master_params`` saw
+        # on the model before they moved (see :meth:`note_read`), and the zeros the last
+        # ``zero_grad(set_to_none=False)`` left there (no gradient yet: not counted).
+        self._read_early: dict[int, tuple[Tensor, int]] = {}
+        self._zeroed: dict[int, tuple[Tensor, int]] = {}
+        self._read_warned = False
 
     # --- building -----------------------------------------------------------------------
     def adopt_param_groups(self, param_groups: Iterable[dict]) -> None:
@@ -185,6 +192,8 @@ class MasterWeights:
         if not pending and unscale is None:
             return False  # e.g. the step after scale_loss moved them
         params = [param for param, _ in pending]
+        if self._read_early:
+            self._warn_if_read_early(params)
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
             masters = self.master_params  # every param has a grad: the pairs are all of them
@@ -279,10 +288,35 @@ class MasterWeights:
         return all(p.grad is grad and tensor_version(grad) == version
                    for p, grad, version in mirror)
 
-    def holds_model_grads(self) -> bool:
-        """Whether the model holds half gradients that no move took into the masters yet."""
-        return not self.released and any(p.grad is not None for p in self.model_params) and \
-            not (self._mirror is not None and self._mirrored())
+    def note_read(self) -> None:
+        """``amp.master_params`` returns the masters: the half grads still on the model
+        (not zeros a ``zero_grad`` left) are noted, and a move that takes one of them
+        unchanged warns that a clip or norm through the masters saw none of them."""
+        if self.released or self._read_warned:
+            return
+        self._read_early = {}
+        for param in self.model_params:
+            grad = param.grad
+            if grad is not None:
+                entry = (grad, tensor_version(grad))
+                zeroed = self._zeroed.get(id(grad))
+                if zeroed is None or zeroed[0] is not grad or zeroed[1] != entry[1]:
+                    self._read_early[id(grad)] = entry
+
+    def _warn_if_read_early(self, params: list[Tensor]) -> None:
+        early, self._read_early = self._read_early, {}
+        for param in params:
+            entry = early.get(id(param.grad))
+            if entry is not None and entry[0] is param.grad and \
+                    tensor_version(param.grad) == entry[1]:
+                self._read_warned = True
+                warn("amp.master_params(optimizer) was read while gradients were still on "
+                     "the half model, before they moved into the fp32 masters it returns "
+                     "(at a scale_loss exit, GradScaler.unscale_ or step()): a clip or a norm "
+                     "through them saw none of those gradients. Read it after the `with "
+                     "amp.scale_loss(...)` block, or after scaler.unscale_(optimizer) in a "
+                     "GradScaler loop. Said once per optimizer")
+                return
 
     def freed(self) -> tuple[int, set[int]]:
         """Which half grads moves freed (see :meth:`zero_model_grads`), to put back."""
@@ -304,6 +338,7 @@ class MasterWeights:
         sparse one (a zero sparse gradient changes nothing in torch's sparse optimizers).
         """
         self._mirror = None
+        self._read_early, self._zeroed = {}, {}
         if set_to_none:
             self._freed_upto, self._freed = 0, set()
         for i, param in enumerate(self.model_params):
@@ -315,6 +350,8 @@ class MasterWeights:
             elif not set_to_none and param.requires_grad and not self.released and (
                     i < self._freed_upto or id(param) in self._freed):
                 param.grad = torch.zeros_like(param)
+            if not set_to_none and param.grad is not None:
+                self._zeroed[id(param.grad)] = (param.grad, tensor_version(param.grad))
 
     def remove(self) -> None:
         """Unlink from the model: no more gradient moves or copies into it."""

@@ -64,7 +64,6 @@ class AmpStash:
     carried_inf: Optional[Tensor] = None
     stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
     unscaled_warned: bool = False  # a step found fp16 grads that no loss scaling scaled
-    pending_warned: bool = False  # master_params() found grads not yet moved into the masters
     # An LR scheduler's ``_opt_called`` as the last step() left it: a skip puts it back (the
     # scheduler's wrapper set it before calling step), as if no step had been called.
     opt_called: bool = False

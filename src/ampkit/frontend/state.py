@@ -11,7 +11,6 @@ from torch import Tensor
 
 from .. import _state
 from .._checks import INT32_MAX, check_int, check_positive
-from .._warn import warn
 from ..optim import inner_optimizer, stash_of
 from ..scaler import GradScaler
 from .scale_loss_args import require_initialized
@@ -28,14 +27,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
                         f"{type(optimizer).__name__} {optimizer!r}; valid: an optimizer, or a "
                         "wrapper holding one as .optim (apex's LARC)")
     stash = stash_of(inner)
-    if (stash is not None and stash.masters is not None and not stash.pending_warned
-            and stash.masters.holds_model_grads()):
-        stash.pending_warned = True
-        warn("amp.master_params(optimizer) found gradients still on the half model, not yet "
-             "in the fp32 masters it returns (they move at a scale_loss exit, "
-             "GradScaler.unscale_ or step()): a clip or a norm through the masters now sees "
-             "none of them. Call it after the `with amp.scale_loss(...)` block, or after "
-             "scaler.unscale_(optimizer) in a GradScaler loop. Said once per optimizer")
+    if stash is not None and stash.masters is not None:
+        stash.masters.note_read()  # grads not yet in the masters: their move warns
     return iter([p for group in inner.param_groups for p in group["params"]])
 
 
