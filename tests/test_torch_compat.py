@@ -548,6 +548,17 @@ def _state_dict_hooks() -> None:
            f"hook(module, state_dict, prefix, ...) calls: {seen}; its handle must remove it")
 
 
+def _swap_mode() -> None:
+    previous = tc.swaps_params_on_load()
+    torch.__future__.set_swap_module_params_on_conversion(not previous)
+    try:
+        flipped = tc.swaps_params_on_load()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    _check("swaps_params_on_load", isinstance(previous, bool) and flipped is (not previous),
+           "torch.__future__.get_swap_module_params_on_conversion() does not read the setting")
+
+
 def _local_slots() -> None:
     shared = nn.Linear(2, 2)
     model = nn.Module()
@@ -695,7 +706,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "register_state_dict_pre_hook": _state_dict_hooks,
     "register_state_dict_post_hook": _state_dict_hooks,
     "register_load_state_dict_pre_hook": _state_dict_hooks,
-    "register_load_state_dict_post_hook": _state_dict_hooks,
+    "register_load_state_dict_post_hook": _state_dict_hooks, "swaps_params_on_load": _swap_mode,
     "local_parameters": _local_slots, "local_buffers": _local_slots, "local_modules": _local_slots,
     "move_hooks": _move_hooks, "AfterApply": _after_apply, "BatchNormBase": _batch_norm_base, "fsdp2": _fsdp2,
     "scaled_mm": _scaled_mm, "ddp_ignore": _ddp_ignore,

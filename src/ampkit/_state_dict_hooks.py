@@ -22,9 +22,9 @@ from ._torch_compat import (
     register_load_state_dict_pre_hook,
     register_state_dict_post_hook,
     register_state_dict_pre_hook,
+    swaps_params_on_load,
 )
-from .master import master_of
-
+from .master import master_of, resume_after_swap, suspend_for_swap
 
 class Hooks:
     """One conversion's state-dict hooks: its ``handles`` (what ``remove`` takes off) and
@@ -208,9 +208,13 @@ def _load_into_masters(module: nn.Module, state_dict: dict, prefix: str, local_m
                        error_msgs: list) -> None:
     _copy_into_masters(module, state_dict, prefix)
     _LOADING[module] = (state_dict, prefix)
+    if swaps_params_on_load():
+        params = [param for param in local_parameters(module).values() if param is not None]
+        suspend_for_swap(params)  # until _after_load: swap_tensors refuses weak references
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    resume_after_swap()
     state_dict, prefix = _LOADING.pop(module, (None, ""))
     if state_dict is not None:
         _copy_into_masters(module, state_dict, prefix)

@@ -65,7 +65,7 @@ __all__ = [
     # nn.Module internals
     "register_state_dict_pre_hook", "register_state_dict_post_hook",
     "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
-    "local_parameters",
+    "swaps_params_on_load", "local_parameters",
     "local_buffers", "local_modules", "move_hooks", "AfterApply", "BatchNormBase",
     # distributed
     "fsdp2",
@@ -505,6 +505,11 @@ _LOAD_STATE_DICT_POST_HOOK = _entry("torch.nn.Module.register_load_state_dict_po
 def register_load_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
     """``module.register_load_state_dict_post_hook(hook)``; hook(module, incompatible_keys)."""
     return _LOAD_STATE_DICT_POST_HOOK(module, hook)
+
+
+# Whether load_state_dict and _apply swap parameters (torch.utils.swap_tensors) rather
+# than copy into them: torch.__future__.set_swap_module_params_on_conversion (2.3).
+swaps_params_on_load = _entry("torch.__future__.get_swap_module_params_on_conversion")
 
 
 def local_parameters(module: nn.Module) -> dict[str, Optional[nn.Parameter]]:

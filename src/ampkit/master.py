@@ -36,15 +36,12 @@ from ._warn import warn
 # pickling, unlike an nn.Parameter's): an optimizer that steps tensors carrying it but
 # has lost ampkit's wrapper is a copy that would never update its model (ampkit.optim).
 MASTER_MARK = "_ampkit_master"
-# id(model param) -> (the param, its master, weak ref to the MasterWeights owning it):
+# id(model param) -> (weak ref to it, its master, weak ref to the MasterWeights owning it):
 # lets convert.py's state_dict hooks save and load the fp32 masters in place of the half
 # params (checkpoints resume bitwise), and a later initialize release an earlier one's pairs.
 # The masters are their optimizer's state: an entry goes with its MasterWeights (the
 # optimizer deleted), and the model is then a half model whose own weights state_dict saves.
-# The param is held, not weakly referenced: its owner holds it anyway, and torch's
-# swap_tensors (load_state_dict and .to() in torch's swap mode) refuses a tensor that has
-# weak references.
-_REGISTRY: dict[int, tuple[Tensor, Tensor, weakref.ref]] = {}
+_REGISTRY: dict[int, tuple[weakref.ref, Tensor, weakref.ref]] = {}
 
 
 # The rule initialize (apply.check_params) and add_param_group (optim) enforce, in their
@@ -56,8 +53,8 @@ ONE_MASTER_RULE = ("with master weights each half parameter has one fp32 master 
 def master_of(param: Tensor) -> Optional[Tensor]:
     """The fp32 master of a half model parameter, or None when it has none."""
     entry = _REGISTRY.get(id(param))
-    if entry is None or entry[0] is not param:
-        return None
+    if entry is None or entry[0]() is not param:
+        return _suspended(param)[0] if _SUSPENDED else None
     owner = entry[2]()
     return None if owner is None or owner.released else entry[1]
 
@@ -82,17 +79,60 @@ def release_masters(params: Iterable[Tensor]) -> int:
 def owner_of(param: Tensor) -> Optional["MasterWeights"]:
     """The MasterWeights whose master ``param`` has, or None."""
     entry = _REGISTRY.get(id(param))
-    return entry[2]() if entry is not None and entry[0] is param else None
+    owner_ref = entry[2] if entry is not None and entry[0]() is param else _suspended(param)[1]
+    return owner_ref() if owner_ref is not None else None
 
 
 def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
     key = id(param)
 
-    def drop(ref: weakref.ref) -> None:  # the owner is gone: so is the pair
+    def drop(ref: weakref.ref) -> None:  # the param or the owner is gone: so is the pair
         entry = _REGISTRY.get(key)
-        if entry is not None and entry[2] is ref:
+        if entry is not None and (ref is entry[0] or ref is entry[2]):
             del _REGISTRY[key]
-    _REGISTRY[key] = (param, master, weakref.ref(owner, drop))
+    _REGISTRY[key] = (weakref.ref(param, drop), master, weakref.ref(owner, drop))
+
+
+# Entries taken out of _REGISTRY while torch swaps their params (see suspend_for_swap):
+# id(param) -> (the param, its master, weak ref to the MasterWeights owning it). They are
+# still the params' masters (master_of, release_masters): a load that raised between a
+# module's pre-hook and the post-hooks leaves them here until the next load resumes them.
+_SUSPENDED: dict[int, tuple[Tensor, Tensor, weakref.ref]] = {}
+
+
+def _suspended(param: Tensor) -> tuple[Optional[Tensor], Optional[weakref.ref]]:
+    """(master, owner ref) of a suspended ``param``; (None, None) when it is not."""
+    entry = _SUSPENDED.get(id(param))
+    if entry is None or entry[0] is not param:
+        return None, None
+    return entry[1], entry[2]
+
+
+def suspend_for_swap(params: Iterable[Tensor]) -> None:
+    """Drop the weak references to ``params`` (their masters kept aside) until
+    :func:`resume_after_swap`: torch.utils.swap_tensors, which load_state_dict uses in
+    torch's swap mode, refuses a tensor that has weak references. A swap keeps the
+    Python object, so each param's master is its master again afterwards."""
+    for param in params:
+        entry = _REGISTRY.get(id(param))
+        if entry is not None and entry[0]() is param:
+            del _REGISTRY[id(param)]  # the only reference to the weakref: it goes with it
+            _SUSPENDED[id(param)] = (param, entry[1], entry[2])
+
+
+def resume_after_swap() -> None:
+    """Put back everything :func:`suspend_for_swap` took out. Called by every load
+    post-hook: by then each suspended param's module has loaded (its own params are
+    swapped before its children load, its post-hooks run after them), and entries left
+    by a load that raised come back too."""
+    if not _SUSPENDED:
+        return  # every load but one in swap mode
+    entries = list(_SUSPENDED.values())
+    _SUSPENDED.clear()
+    for param, master, owner_ref in entries:
+        owner = owner_ref()
+        if owner is not None and not owner.released:
+            _register(param, master, owner)
 
 
 def new_master(param: Tensor) -> Tensor:
@@ -360,3 +400,5 @@ class MasterWeights:
             entry = _REGISTRY.get(id(param))
             if entry is not None and entry[2]() is self:
                 del _REGISTRY[id(param)]
+            if _SUSPENDED and _suspended(param)[1] is not None:
+                del _SUSPENDED[id(param)]
