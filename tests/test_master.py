@@ -674,10 +674,11 @@ def test_zero_grad_keeping_zeros_after_a_skipped_step_still_steps_an_unreached_p
     assert not torch.equal(master_of(model.b.weight), before)  # momentum moved it
 
 
-def test_the_masters_go_with_their_optimizer():
-    """The fp32 masters outlived their optimizer in a registry: after the model trained on
-    with another optimizer (.float(), fp32 fine-tuning), model.state_dict() still saved the
-    masters of the O2 phase, silently, and their memory was never freed (lifecycle probe)."""
+def test_an_o0_initialize_leaves_o2_with_the_masters_exact_values_and_frees_them():
+    """How the docs say to leave O2 (fine-tune in fp32 with another optimizer): the masters
+    outlive their optimizer, so model.state_dict() keeps following them after .float()
+    alone (lifecycle probe); an O0 initialize gives the model their exact values, releases
+    them (their memory goes) and its state dict follows the live parameters again."""
     import gc
     import weakref
 
@@ -692,16 +693,15 @@ def test_the_masters_go_with_their_optimizer():
     with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), optimizer) as scaled:
         scaled.backward()
     optimizer.step()
-    masters = list(amp.master_params(optimizer))
-    state = model.state_dict()  # while the optimizer lives: the masters (detached)
-    assert all(state[name].data_ptr() == m.data_ptr() for name, m in zip(
-        ("0.weight", "0.bias", "2.weight", "2.bias"), masters))
-    refs = [weakref.ref(m) for m in masters]
-    del optimizer, masters, state, scaled
-    gc.collect()
-    assert [ref() for ref in refs] == [None] * 4  # freed with their optimizer
-    model.float()  # a plain fp32 phase, without ampkit
+    exact = [m.detach().clone() for m in amp.master_params(optimizer)]
+    refs = [weakref.ref(m) for m in amp.master_params(optimizer)]
     other = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, other = amp.initialize(model, other, opt_level="O0", verbosity=0)
+    del optimizer, scaled
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 4  # released
+    params = list(model.parameters())
+    assert all(p.dtype == torch.float32 and torch.equal(p, e) for p, e in zip(params, exact))
     for _ in range(3):
         other.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()

@@ -39,8 +39,6 @@ MASTER_MARK = "_ampkit_master"
 # id(model param) -> (weak ref to it, its master, weak ref to the MasterWeights owning it):
 # lets convert.py's state_dict hooks save and load the fp32 masters in place of the half
 # params (checkpoints resume bitwise), and a later initialize release an earlier one's pairs.
-# The masters are their optimizer's state: an entry goes with its MasterWeights (the
-# optimizer deleted), and the model is then a half model whose own weights state_dict saves.
 _REGISTRY: dict[int, tuple[weakref.ref, Tensor, weakref.ref]] = {}
 
 
@@ -55,8 +53,7 @@ def master_of(param: Tensor) -> Optional[Tensor]:
     entry = _REGISTRY.get(id(param))
     if entry is None or entry[0]() is not param:
         return _suspended(param)[0] if _SUSPENDED else None
-    owner = entry[2]()
-    return None if owner is None or owner.released else entry[1]
+    return entry[1]
 
 
 def release_masters(params: Iterable[Tensor]) -> int:
@@ -85,12 +82,8 @@ def owner_of(param: Tensor) -> Optional["MasterWeights"]:
 
 def _register(param: Tensor, master: Tensor, owner: "MasterWeights") -> None:
     key = id(param)
-
-    def drop(ref: weakref.ref) -> None:  # the param or the owner is gone: so is the pair
-        entry = _REGISTRY.get(key)
-        if entry is not None and (ref is entry[0] or ref is entry[2]):
-            del _REGISTRY[key]
-    _REGISTRY[key] = (weakref.ref(param, drop), master, weakref.ref(owner, drop))
+    _REGISTRY[key] = (weakref.ref(param, lambda _ref: _REGISTRY.pop(key, None)), master,
+                      weakref.ref(owner))
 
 
 # Entries taken out of _REGISTRY while torch swaps their params (see suspend_for_swap):
