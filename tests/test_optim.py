@@ -120,6 +120,31 @@ def test_a_plain_backward_under_o2_fp16_with_loss_scaling_warns_once():
     assert _o2_fp16_steps(lambda loss, opt: loss.backward(), loss_scale=1.0) == []
 
 
+def test_zeros_zero_grad_left_are_not_taken_for_unscaled_gradients():
+    """zero_grad(set_to_none=False) before step(closure): the step moved the zero half
+    grads zero_grad had put back before the closure ran, and warned that no loss scaling
+    had scaled them, though every backward was in scale_loss (review)."""
+    def closure_steps(model, opt):
+        x = torch.randn(8, 4).half()
+
+        def closure():
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            return 0.0
+        opt.zero_grad(set_to_none=False)
+        opt.step(closure)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            closure_steps(model, opt)
+
+
 def test_the_torch_style_o2_fp16_loop_with_a_grad_scaler_does_not_warn():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -192,6 +192,8 @@ def test_each_ranks_threads_are_asked_for_capped_or_the_checkpoints(capsys, no_l
     assert rank_threads(None, plan, {"threads": 5}) == (
         5, "5, the checkpoint's (a resume continues on the same threads)")
     assert rank_threads(5, plan, {"threads": 5})[0] == 5
+    # The command that wrote it, again: its --threads 8 was capped at 3, which it records.
+    assert rank_threads(8, plan, {"threads": 3})[0] == 3
     with pytest.raises(UsageError, match=r"--threads 2: the checkpoint's ranks ran on 5 "
                        r"thread\(s\) each.*valid: --threads 5, or leave it out"):
         rank_threads(2, plan, {"threads": 5})

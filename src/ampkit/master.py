@@ -202,8 +202,8 @@ class MasterWeights:
     # --- gradients model -> master --------------------------------------------------------
     def move_grads(self, unscale: Optional[Callable[[list[Tensor]], None]] = None, *,
                    keep: bool = False) -> bool:
-        """Move the model's half gradients into the masters (fp32) and free them; whether
-        there were any.
+        """Move the model's half gradients into the masters (fp32) and free them; whether a
+        backward wrote any of them (not only the zeros a ``zero_grad(set_to_none=False)`` left).
 
         ``unscale`` receives the new fp32 gradients (still scaled) before they join the
         masters' own, which are unscaled already; without it they join as they are.
@@ -227,6 +227,12 @@ class MasterWeights:
         params = [param for param, _ in pending]
         if self._read_early:
             self._warn_if_read_early(params)
+        # What a backward wrote: not only the zeros the last zero_grad(False) left.
+        fresh = not self._zeroed or any(self._zeroed.get(id(p.grad), (None, 0))[0] is not p.grad
+                                        or tensor_version(p.grad) != self._zeroed[id(p.grad)][1]
+                                        for p in params)
+        if not keep:
+            self._zeroed = {}  # (their tensors are freed below: not held here either)
         plan = None
         if len(params) == len(self.model_params) and not [p for p in params if p.grad.is_sparse]:
             masters = self.master_params  # every param has a grad: the pairs are all of them
@@ -254,7 +260,7 @@ class MasterWeights:
                 for master, grad in pairs:
                     master.grad = grad
                 self._mirror = [(p, p.grad, tensor_version(p.grad)) for p in params]
-                return bool(pending)
+                return fresh
             adding = [(master, grad) for master, grad in pairs if master.grad is not None]
             for master, grad in pairs:
                 if master.grad is None:
@@ -272,7 +278,7 @@ class MasterWeights:
             if resized is None:
                 raise
             raise ValueError(resized) from err
-        return bool(pending)
+        return fresh
 
     def _resized(self) -> Optional[str]:
         """Why a model parameter no longer fits its master (None when all fit)."""

@@ -6,7 +6,8 @@
 ``hasattr(optimizer, "_amp_stash")`` to know that initialize ran):
 
 - ``step``: a no-op after an overflow that ``scale_loss`` found (params, masters and
-  optimizer state untouched; the grads zeroed, the masters' dropped), also one found in the first
+  optimizer state untouched; the optimizer's own grads zeroed, the masters' and the half
+  model's dropped), also one found in the first
   evaluation of a torch optimizer's ``step(closure)``. Otherwise the model's half
   gradients move into the fp32 masters, the inner step runs (a fused optimizer gets
   scale_loss's found-inf and skips on the device), and the masters are copied back into
@@ -273,9 +274,10 @@ def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
 
 
 def _skipped(optimizer: torch.optim.Optimizer) -> None:
-    """What a skipped step leaves: the inf/NaN grads zeroed in place (as torch's
-    ``zero_grad(set_to_none=False)`` does; the masters', consumed by every step, dropped),
-    so none leaks into the next iteration, while a parameter the next backward does not
+    """What a skipped step leaves: the inf/NaN grads of the params the optimizer steps
+    itself zeroed in place (as torch's ``zero_grad(set_to_none=False)`` does; the masters',
+    consumed by every step, and the half model's dropped, the latter to come back as
+    zeros at a ``zero_grad(set_to_none=False)``), so none leaks into the next iteration, while a parameter the next backward does not
     reach still steps after a ``zero_grad(set_to_none=False)``, as after torch's skip. An
     LR scheduler's wrapper (which ran first) sees no step: its flag goes back to what the
     last step left, so a skipped first step warns "lr_scheduler.step() before
@@ -424,7 +426,8 @@ def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:
     masters.adopt_param_groups(self.param_groups[-1:])
     if fresh:
         warn(f"add_param_group: {fresh} half parameter(s) join this optimizer without an fp32 "
-             "master, which starts from their half values: one that was fp32 before "
-             "initialize (a frozen layer unfrozen now) lost its low bits to initialize's cast. "
-             "For staged unfreezing, pass every parameter to the optimizer before initialize "
-             "(requires_grad=False ones take no step until unfrozen), or keep_fp32 them")
+             "master, which starts from their half values. If they were fp32 before "
+             "initialize (a frozen layer left out of the optimizer then), its cast rounded "
+             "them: for staged unfreezing, pass every parameter to the optimizer before "
+             "initialize (requires_grad=False ones take no step until unfrozen), or keep_fp32 "
+             "them. Parameters made half since (a new head) lose nothing")

@@ -200,7 +200,8 @@ class GradScaler(torch.amp.GradScaler):
             Like torch, "cuda" on a machine without CUDA warns and disables the scaler.
         init_scale: first scale, in (0, float32 max]; clamped into [min_scale, max_scale].
         growth_factor: > 1. backoff_factor: in (0, 1). growth_interval: int >= 1.
-        enabled: False makes every method a no-op (``step`` just calls ``optimizer.step``).
+        enabled: False makes every method a no-op (``step`` just calls ``optimizer.step``;
+            ``unscale_`` still moves O2's half grads into the masters, for a clip there).
         min_scale, max_scale: bounds of the scale (default: the normal float32 range, so the
             scale and its reciprocal are always finite and non-zero).
         hysteresis: back off only on the ``hysteresis``-th overflowing iteration in a row

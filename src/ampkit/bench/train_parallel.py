@@ -115,7 +115,8 @@ def rank_threads(requested: Optional[int], plan: ParallelPlan,
     if saved is not None and (type(saved) is not int or saved < 1):
         raise UsageError(f"--resume: its run record's 'threads' entry is {saved!r}; valid: "
                          "an int >= 1, as ampkit train --nproc writes it")
-    if saved is not None and requested is not None and requested != saved:
+    if saved is not None and requested is not None and saved not in (requested, min(
+            requested, plan.threads)):  # the same --threads again, capped as it was or not
         raise UsageError(f"--threads {requested}: the checkpoint's ranks ran on {saved} "
                          "thread(s) each, and another count rounds a CPU's sums differently, "
                          f"so the resumed run would not continue exactly; valid: --threads "
