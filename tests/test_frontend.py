@@ -1811,3 +1811,64 @@ def test_swapped_arguments_are_named_on_one_short_line():
     message = str(caught.value)
     assert message.startswith("models must be a torch.nn.Module or a list of them, got SGD SGD (")
     assert "\n" not in message and len(message) < 160
+
+
+@pytest.mark.parametrize("level, dtype", [("O1", torch.float16), ("O2", torch.float16),
+                                          ("O2", torch.bfloat16)])
+def test_a_plain_backward_before_scale_loss_joins_unscaled(level, dtype):
+    """An auxiliary loss's plain backward() before the scale_loss block of the same step
+    was taken for a body's scaled gradients and divided by the loss scale (65536): lost,
+    silently (new-behaviour probe). apex added such grads back unscaled. Under O2 fp16 the
+    unscaled-gradient warning says so."""
+    x = torch.randn(16, 4)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def last_bias_grad(plain: bool, scaled: bool) -> tuple[float, list[str]]:
+        model = build()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, optimizer = initialize(model, optimizer, opt_level=level, half_dtype=dtype,
+                                      verbosity=0)
+        before = list(master_params(optimizer))[3].detach().clone()
+        optimizer.zero_grad()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            if plain:
+                model(x.to(next(model.parameters()).dtype)).float().pow(2).mean().backward()
+            if scaled:
+                with scale_loss(0.25 * model(x.to(next(model.parameters()).dtype)).float()
+                                .mean(), optimizer) as loss:
+                    loss.backward()
+            optimizer.step()
+        return (before - list(master_params(optimizer))[3]).item(), [
+            str(w.message) for w in record]
+
+    both, messages = last_bias_grad(True, True)
+    aux, _ = last_bias_grad(True, False)
+    main, _ = last_bias_grad(False, True)
+    assert aux != 0 and both == pytest.approx(aux + main, rel=1e-2, abs=2e-3)
+    unscaled = [m for m in messages if "no loss scaling scaled" in m]
+    assert len(unscaled) == (1 if (level, dtype) == ("O2", torch.float16) else 0), messages
+
+
+def test_a_gan_generators_gradients_left_on_the_discriminator_stay_scaled():
+    """The other held gradients a body can meet: another body's (the generator's loss
+    flowing through the discriminator, not zeroed), still scaled by its loss scale."""
+    torch.manual_seed(0)
+    netG, netD = nn.Linear(4, 4), nn.Linear(4, 1)
+    optG = torch.optim.SGD(netG.parameters(), lr=0.1)
+    optD = torch.optim.SGD(netD.parameters(), lr=0.1)
+    (netG, netD), (optG, optD) = initialize([netG, netD], [optG, optD], opt_level="O1",
+                                            half_dtype=torch.float16, verbosity=0)
+    x = torch.randn(8, 4)
+    optD.zero_grad()
+    optG.zero_grad()
+    with scale_loss(netD(netG(x)).float().mean(), optG) as loss:
+        loss.backward()  # leaves netD.weight.grad scaled by 65536
+    leaked = netD.weight.grad.clone()
+    with scale_loss(netD(x).float().mean(), optD) as loss:
+        loss.backward()
+    own = torch.autograd.grad(netD(x).float().mean(), netD.weight)[0]
+    assert torch.allclose(netD.weight.grad, leaked / 65536 + own, rtol=1e-3, atol=1e-6)

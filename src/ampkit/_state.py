@@ -64,6 +64,18 @@ class ActiveAmp:
 
 
 _active: Optional[ActiveAmp] = None
+# scale_loss bodies begun in this process. A gradient an optimizer holds when a body
+# begins, with none begun since that optimizer last zeroed, stepped or left a body, was
+# written by a plain backward (unscaled), not by another body's scaled one.
+_bodies = [0]
+
+
+def body_began() -> None:
+    _bodies[0] += 1
+
+
+def bodies() -> int:
+    return _bodies[0]
 
 
 def set_active(state: Optional[ActiveAmp]) -> None:

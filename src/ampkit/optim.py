@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from . import _state
 from ._checks import short_repr
 from ._dtypes import HALF_DTYPES
 from ._fused import clear_if_skipped, fresh_momentum
@@ -65,6 +66,7 @@ class AmpStash:
     carried_inf: Optional[Tensor] = None
     stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
     unscaled_warned: bool = False  # a step found fp16 grads that no loss scaling scaled
+    bodies_seen: int = 0  # _state.bodies() when it last zeroed, stepped or left a body
     # An LR scheduler's ``_opt_called`` as the last step() left it: a skip puts it back (the
     # scheduler's wrapper set it before calling step), as if no step had been called.
     opt_called: bool = False
@@ -145,7 +147,8 @@ def wrap(optimizer: torch.optim.Optimizer, *, master_weights: bool) -> AmpStash:
         raise RuntimeError(f"optimizer {type(optimizer).__name__} was already prepared by "
                            "ampkit; an optimizer is prepared once")
     stash = AmpStash(optimizer.step, optimizer.zero_grad, optimizer.add_param_group,
-                     opt_called=getattr(optimizer, LR_SCHEDULER_STEP_CALLED, False) is True)
+                     opt_called=getattr(optimizer, LR_SCHEDULER_STEP_CALLED, False) is True,
+                     bodies_seen=_state.bodies())
     if master_weights:
         stash.masters = MasterWeights()
         stash.masters.adopt_param_groups(optimizer.param_groups)
@@ -218,7 +221,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     masters = stash.masters
     # Grads no scale_loss/unscale_ moved (a loss scale of 1, or a plain backward).
     if masters is not None and masters.move_grads() and not stash.unscaled_warned:
-        _warn_unscaled(stash, masters)
+        warn_unscaled(stash, masters)
     closure = _closure_in(args, kwargs)
     if closure is not None:
         args, kwargs = _checked_closure(self, stash, closure, args, kwargs)
@@ -239,10 +242,11 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     stash.last_found_inf = stash.carried_inf = None  # the overflows counted for this step
     stash.stepped = True
     stash.opt_called = getattr(self, LR_SCHEDULER_STEP_CALLED, False) is True
+    stash.bodies_seen = _state.bodies()
     return result
 
 
-def _warn_unscaled(stash: AmpStash, masters: MasterWeights) -> None:
+def warn_unscaled(stash: AmpStash, masters: MasterWeights) -> None:
     """Once per optimizer: fp16 grads of a plain ``backward()`` under an initialize that
     scales the loss (its small grads flushed to zero; apex's step ignored them)."""
     amp = stash.prepared_by
@@ -250,9 +254,9 @@ def _warn_unscaled(stash: AmpStash, masters: MasterWeights) -> None:
             p.dtype == torch.float16 for p in masters.model_params):
         return
     stash.unscaled_warned = True
-    warn(f"optimizer.step() under opt_level {amp.opt_level or 'O2'} found fp16 gradients on the "
-         "model that no loss scaling scaled (a plain loss.backward()): fp16 gradients below "
-         "about 6e-8 became zero, and the step applied the rest as they are. Wrap the backward "
+    warn(f"opt_level {amp.opt_level or 'O2'}: fp16 gradients that no loss scaling scaled (a "
+         "plain loss.backward()) moved into the fp32 masters: those below about 6e-8 became "
+         "zero, and the rest are applied as they are. Wrap the backward "
          "in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` (or "
          "use ampkit.GradScaler), or pass loss_scale=1.0 to initialize to train unscaled. "
          "Said once per optimizer")
@@ -394,6 +398,7 @@ def _forget_grads(stash: AmpStash) -> None:
     stash.pending_found_inf = stash.delayed_inv = None
     stash.last_found_inf = stash.carried_inf = None
     stash.stepped = False
+    stash.bodies_seen = _state.bodies()
 
 
 def _add_param_group(self: torch.optim.Optimizer, group: dict) -> None:

@@ -9,10 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _state
 from .._torch_compat import foreach_add_, foreach_mul_
-from ..optim import AmpStash, own_params
-from ..scaler import GradScaler
-from .overflow import Window
+from ..master import MasterWeights
+from ..optim import AmpStash, own_params, warn_unscaled
+from ..scaler import GradScaler, unscale_grads_
+from .overflow import Window, or_flag
 
 
 @dataclass(eq=False)
@@ -55,6 +57,7 @@ class Held:
     tag_scale: Optional[Tensor] = None
     cap: Optional[Tensor] = None
     retag: bool = False
+    plain: bool = False  # the held grads are a plain backward's: unscaled, never checked
 
     def scale_up(self, body: Tensor) -> None:
         """Before the body (in place, several processes): bring the held grads to the
@@ -137,8 +140,16 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         return Held(own, half, [], [], stash.grads_unscaled, [], copies=copies)
     unscaled = stash.grads_unscaled and scaler is not None
     if not several:
+        # Left by a plain backward (no body began since the optimizer last zeroed, stepped
+        # or left one, and none delayed): unscaled, as apex took grads held at a body's
+        # start. The half ones join the masters now, as a step would move them.
+        plain = (scaler is not None and not stash.grads_unscaled and stash.delayed_inv is None
+                 and stash.bodies_seen == _state.bodies())
+        if plain and half_held:
+            _move_plain(stash, masters)
+            half_held = []
         held = Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
-                     stash.grads_unscaled, [])
+                     stash.grads_unscaled or plain, [], plain=plain and bool(own_held))
         for param in own_held + half_held:
             param.grad = None
         return held
@@ -158,3 +169,17 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
     if still and not same:
         held.retagged, held.retag, held.tag_scale = still, True, tag[1]
     return held
+
+
+def _move_plain(stash: AmpStash, masters: MasterWeights) -> None:
+    """A plain backward's half grads into the masters before a body: unscaled, their
+    inf/NaN checked into the flag the body's exit (or the one that does not delay) reads,
+    and under fp16 loss scaling warned about, as the step that would move them warns."""
+    flag = torch.zeros((), dtype=torch.float32, device=masters.master_params[0].device)
+
+    def check(grads: list[Tensor]) -> None:
+        if grads:
+            unscale_grads_(grads, torch.ones((), device=flag.device), flag)
+    if masters.move_grads(check) and not stash.unscaled_warned:
+        warn_unscaled(stash, masters)
+    stash.pending_found_inf = or_flag(stash.pending_found_inf, flag)

@@ -107,6 +107,7 @@ class _ScaleLoss:
         several = self.several = _several_processes()
         held = self.held = [set_aside(opt, stash, scaler, window, several)
                             for opt, stash in zip(self.opts, self.stashes)]
+        _state.body_began()
         self.body_scale = None
         if several and scaler is not None:  # grads held in place
             self._scale_held_up(scaler, held)
@@ -283,7 +284,8 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
                                keep=keep)
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
-    if holding and held.own_grads and stash.stepped and found_inf is not None and not delay:
+    if holding and held.own_grads and (stash.stepped or held.plain) and found_inf is not None \
+            and not delay:
         # Grads kept through a step (no zero_grad since): a fused kernel may have skipped
         # them on the device for their inf/NaN, unseen here; checked again, as torch's
         # GradScaler checks every grad it unscales.
@@ -295,6 +297,7 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
     # every exit, since model.zero_grad() (not the optimizer's) can clear them unseen.
     stash.grads_unscaled = not delay
     stash.delayed_inv = inv_scale if delay else None
+    stash.bodies_seen = _state.bodies()
     if not delay:
         if counts:
             # Every grad the optimizer holds is checked now, into a flag that skips the
