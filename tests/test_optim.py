@@ -145,6 +145,25 @@ def test_zeros_zero_grad_left_are_not_taken_for_unscaled_gradients():
             closure_steps(model, opt)
 
 
+def test_a_plain_backward_in_a_closure_under_o2_fp16_warns_too():
+    """The step(closure) path moved a closure's plain-backward grads without the
+    unscaled-fp16 warning a step without a closure gives (new-behaviour probe)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
+                                verbosity=0)
+    x = torch.randn(8, 4).half()
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+    with pytest.warns(UserWarning, match="fp16 gradients that no loss scaling scaled"):
+        opt.step(closure)
+
+
 def test_the_torch_style_o2_fp16_loop_with_a_grad_scaler_does_not_warn():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

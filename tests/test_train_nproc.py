@@ -190,7 +190,10 @@ def test_each_ranks_threads_are_asked_for_capped_or_the_checkpoints(capsys, no_l
         3, "3: --threads 8 capped at each rank's share of the usable cores (3 for 2 ranks)")
     assert rank_threads(None, plan, {"nproc": 2}) == rank_threads(None, plan, None)  # older
     assert rank_threads(None, plan, {"threads": 5}) == (
-        5, "5, the checkpoint's (a resume continues on the same threads)")
+        5, "5, the checkpoint's (a resume continues on the same threads; more than this "
+        "machine's share of 3, so slower)")
+    assert rank_threads(None, plan, {"threads": 2})[1] == (
+        "2, the checkpoint's (a resume continues on the same threads)")
     assert rank_threads(5, plan, {"threads": 5})[0] == 5
     # The command that wrote it, again: its --threads 8 was capped at 3, which it records.
     assert rank_threads(8, plan, {"threads": 3})[0] == 3

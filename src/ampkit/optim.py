@@ -343,8 +343,8 @@ def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash,
         if masters is not None:
             masters.copy_to_model()
         loss = closure()
-        if masters is not None:
-            masters.move_grads()
+        if masters is not None and masters.move_grads() and not stash.unscaled_warned:
+            warn_unscaled(stash, masters)  # a plain backward in the closure
         if stash.found_inf is not None:
             found_inf, stash.found_inf = stash.found_inf, None
             stash.skip_next = stash.skip_next or bool(found_inf.item())

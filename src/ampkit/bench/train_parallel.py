@@ -122,7 +122,9 @@ def rank_threads(requested: Optional[int], plan: ParallelPlan,
                          f"so the resumed run would not continue exactly; valid: --threads "
                          f"{saved}, or leave it out")
     if saved is not None:
-        return saved, f"{saved}, the checkpoint's (a resume continues on the same threads)"
+        more = (f"; more than this machine's share of {plan.threads}, so slower"
+                if saved > plan.threads else "")
+        return saved, f"{saved}, the checkpoint's (a resume continues on the same threads{more})"
     share = f"each rank's share of the usable cores ({plan.threads} for {plan.nproc} ranks)"
     if requested is None:
         return plan.threads, f"{plan.threads}: {share}"
