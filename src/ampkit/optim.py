@@ -37,6 +37,7 @@ from ._fused import clear_if_skipped, fresh_momentum
 from ._torch_compat import LR_SCHEDULER_MARK, LR_SCHEDULER_STEP_CALLED, optimizer_step_function
 from ._fp16_eps import warn_if_eps_vanishes
 from ._orphan import ATTR, refuse_orphans_once
+from ._plain_grads import warn_unscaled
 from ._warn import warn
 from .master import ONE_MASTER_RULE, MasterWeights, owner_of
 
@@ -246,22 +247,6 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-def warn_unscaled(stash: AmpStash, masters: MasterWeights) -> None:
-    """Once per optimizer: fp16 grads of a plain ``backward()`` under an initialize that
-    scales the loss (its small grads flushed to zero; apex's step ignored them)."""
-    amp = stash.prepared_by
-    if amp is None or not (amp.enabled and amp.scaling) or not any(
-            p.dtype == torch.float16 for p in masters.model_params):
-        return
-    stash.unscaled_warned = True
-    warn(f"opt_level {amp.opt_level or 'O2'}: fp16 gradients that no loss scaling scaled (a "
-         "plain loss.backward()) moved into the fp32 masters: those below about 6e-8 became "
-         "zero, and the rest are applied as they are. Wrap the backward "
-         "in `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` (or "
-         "use ampkit.GradScaler), or pass loss_scale=1.0 to initialize to train unscaled. "
-         "Said once per optimizer")
-
-
 def _skips(optimizer: torch.optim.Optimizer, stash: AmpStash) -> bool:
     """Whether this step is the overflowing one (after the callbacks a step begins with,
     which may decide it): then params, masters and optimizer state stay as they are, and
@@ -294,7 +279,7 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
         masters.zero_model_grads(set_to_none=True)
         masters.refreed(freed)  # a user's zero_grad(set_to_none=False) zeroes them, as after a step
     stash.inner_zero_grad(set_to_none=False)
-    _forget_grads(stash)
+    _forget_grads(stash, zeroed=True)
     if getattr(optimizer, LR_SCHEDULER_STEP_CALLED, None) is True:
         setattr(optimizer, LR_SCHEDULER_STEP_CALLED, stash.opt_called)
 
@@ -389,12 +374,13 @@ def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     stash.inner_zero_grad(set_to_none=set_to_none)
     if stash.masters is not None:
         stash.masters.zero_model_grads(set_to_none)
-    _forget_grads(stash)
+    _forget_grads(stash, zeroed=not set_to_none)
 
 
-def _forget_grads(stash: AmpStash) -> None:
-    """What zero_grad (or a skip) ends: the state of the gradients held until now."""
-    stash.grads_unscaled = False
+def _forget_grads(stash: AmpStash, zeroed: bool = False) -> None:
+    """What zero_grad (or a skip) ends: the state of the gradients held until now;
+    ``zeroed``: they were zeroed in place (zeros hold the same at any scale)."""
+    stash.grads_unscaled = zeroed
     stash.pending_found_inf = stash.delayed_inv = None
     stash.last_found_inf = stash.carried_inf = None
     stash.stepped = False

@@ -12,7 +12,8 @@ from torch import Tensor
 from .. import _state
 from .._torch_compat import foreach_add_, foreach_mul_
 from ..master import MasterWeights
-from ..optim import AmpStash, own_params, warn_unscaled
+from .._plain_grads import warn_unscaled
+from ..optim import AmpStash, own_params
 from ..scaler import GradScaler, unscale_grads_
 from .overflow import Window, or_flag
 
@@ -148,6 +149,8 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         if plain and half_held:
             _move_plain(stash, masters)
             half_held = []
+        if plain and own_held and not stash.unscaled_warned:
+            warn_unscaled(stash, None)
         held = Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
                      stash.grads_unscaled or plain, [], plain=plain and bool(own_held))
         for param in own_held + half_held:
