@@ -8,8 +8,8 @@ through the discriminator) stays on that model until its own ``zero_grad``, as i
 in fp32. They move into the masters only when the optimizer that owns them unscales
 (``scale_loss``, ``GradScaler.unscale_``) or steps: :meth:`MasterWeights.move_grads`
 converts them bucket by bucket (at most 8 per device) into fp32 (``_grad_move``), each
-bucket with one foreach copy into one buffer (a cast per gradient in a bucket of a few), frees each
-bucket's half gradients as it goes, and the unscale kernel then reads the new fp32
+bucket with one foreach copy into one buffer (a cast per gradient in a bucket of a few),
+frees each bucket's half gradients as it goes, and the unscale kernel then reads the new fp32
 gradients as one tensor list. After each optimizer step the masters are copied back into
 the model with one foreach copy per dtype.
 
@@ -228,9 +228,7 @@ class MasterWeights:
         if self._read_early:
             self._warn_if_read_early(params)
         # What a backward wrote: not only the zeros the last zero_grad(False) left.
-        fresh = not self._zeroed or any(self._zeroed.get(id(p.grad), (None, 0))[0] is not p.grad
-                                        or tensor_version(p.grad) != self._zeroed[id(p.grad)][1]
-                                        for p in params)
+        fresh = not self._zeroed or not all(self._still_zeroed(p.grad) for p in params)
         if not keep:
             self._zeroed = {}  # (their tensors are freed below: not held here either)
         plan = None
@@ -333,14 +331,13 @@ class MasterWeights:
         unchanged warns that a clip or norm through the masters saw none of them."""
         if self.released or self._read_warned:
             return
-        self._read_early = {}
-        for param in self.model_params:
-            grad = param.grad
-            if grad is not None:
-                entry = (grad, tensor_version(grad))
-                zeroed = self._zeroed.get(id(grad))
-                if zeroed is None or zeroed[0] is not grad or zeroed[1] != entry[1]:
-                    self._read_early[id(grad)] = entry
+        self._read_early = {id(grad): (grad, tensor_version(grad)) for param in self.model_params
+                            if (grad := param.grad) is not None and not self._still_zeroed(grad)}
+
+    def _still_zeroed(self, grad: Tensor) -> bool:
+        """Whether ``grad`` is a zero the last ``zero_grad(set_to_none=False)`` left, unchanged."""
+        entry = self._zeroed.get(id(grad))
+        return entry is not None and entry[0] is grad and entry[1] == tensor_version(grad)
 
     def _warn_if_read_early(self, params: list[Tensor]) -> None:
         early, self._read_early = self._read_early, {}

@@ -266,8 +266,9 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
     """What a skipped step leaves: the inf/NaN grads of the params the optimizer steps
     itself zeroed in place (as torch's ``zero_grad(set_to_none=False)`` does; the masters',
     consumed by every step, and the half model's dropped, the latter to come back as
-    zeros at a ``zero_grad(set_to_none=False)``), so none leaks into the next iteration, while a parameter the next backward does not
-    reach still steps after a ``zero_grad(set_to_none=False)``, as after torch's skip. An
+    zeros at a ``zero_grad(set_to_none=False)``), so none leaks into the next iteration,
+    while a parameter the next backward does not reach still steps after a
+    ``zero_grad(set_to_none=False)``, as after torch's skip. An
     LR scheduler's wrapper (which ran first) sees no step: its flag goes back to what the
     last step left, so a skipped first step warns "lr_scheduler.step() before
     optimizer.step()", as under apex and torch's GradScaler, and a later one does not."""

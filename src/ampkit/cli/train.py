@@ -52,8 +52,8 @@ def add_parser(sub: Any) -> None:
                    "digests, is refused)")
     p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: 1 on a "
                    "CPU for models under 5M parameters, else torch's default; recorded in the "
-                   "JSON); with --nproc each rank's, at most its share of the cores (the default there); "
-                   "a resume takes the checkpoint's")
+                   "JSON); with --nproc each rank's, at most its share of the cores (the default "
+                   "there); a resume takes the checkpoint's")
     p.add_argument("--nproc", type=int, metavar="N", help="train on N processes under torchrun "
                    "with DDP, each on its share of the data (gloo on a CPU, nccl on GPUs); the "
                    "checkpoint is then a torch.distributed.checkpoint folder")
