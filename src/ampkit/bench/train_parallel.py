@@ -109,18 +109,20 @@ def rank_threads(requested: Optional[int], plan: ParallelPlan,
                  meta: Optional[dict[str, Any]]) -> tuple[int, str]:
     """Each rank's intra-op threads and why: a resumed run's are its checkpoint's (a CPU's
     sums round by the thread count, so another would not continue exactly; a checkpoint
-    written before they were recorded has none); else ``requested``, at most the rank's
-    share of the cores (as ``ampkit bench --nproc`` takes it); else that share."""
+    written before they were recorded has none; a ``requested`` cap below them is refused);
+    else ``requested``, at most the rank's share of the cores (as ``ampkit bench --nproc``
+    takes it); else that share."""
     saved = None if meta is None else meta.get("threads")
     if saved is not None and (type(saved) is not int or saved < 1):
         raise UsageError(f"--resume: its run record's 'threads' entry is {saved!r}; valid: "
                          "an int >= 1, as ampkit train --nproc writes it")
-    if saved is not None and requested is not None and saved not in (requested, min(
-            requested, plan.threads)):  # the same --threads again, capped as it was or not
+    # --threads with --nproc is a cap: one at or above the checkpoint's count (the cap that
+    # wrote it, on any machine) takes it; one below it cannot continue exactly.
+    if saved is not None and requested is not None and requested < saved:
         raise UsageError(f"--threads {requested}: the checkpoint's ranks ran on {saved} "
                          "thread(s) each, and another count rounds a CPU's sums differently, "
                          f"so the resumed run would not continue exactly; valid: --threads "
-                         f"{saved}, or leave it out")
+                         f"{saved} or more (a cap: the run takes {saved}), or leave it out")
     if saved is not None:
         more = (f"; more than this machine's share of {plan.threads}, so slower"
                 if saved > plan.threads else "")

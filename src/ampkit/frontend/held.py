@@ -36,7 +36,8 @@ class Held:
     Nothing is held after a zero_grad: the usual case costs nothing.
 
     ``own``: the params the optimizer steps itself; ``half``: the half model params behind
-    its fp32 masters (their held grads are always still scaled). ``started``: set once the
+    its fp32 masters (their held grads another body's backward left, still scaled; a plain
+    backward's join the masters before the body instead, see :func:`set_aside`). ``started``: set once the
     scaled loss's backward began (watched only while grads are held in place).
     """
 
@@ -58,7 +59,6 @@ class Held:
     tag_scale: Optional[Tensor] = None
     cap: Optional[Tensor] = None
     retag: bool = False
-    plain: bool = False  # the held grads are a plain backward's: unscaled, never checked
 
     def scale_up(self, body: Tensor) -> None:
         """Before the body (in place, several processes): bring the held grads to the
@@ -141,18 +141,20 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         return Held(own, half, [], [], stash.grads_unscaled, [], copies=copies)
     unscaled = stash.grads_unscaled and scaler is not None
     if not several:
-        # Left by a plain backward (no body began since the optimizer last zeroed, stepped
-        # or left one, and none delayed): unscaled, as apex took grads held at a body's
-        # start. The half ones join the masters now, as a step would move them.
-        plain = (scaler is not None and not stash.grads_unscaled and stash.delayed_inv is None
+        # Left by a plain backward (no body ended since the optimizer last zeroed, stepped
+        # or left one, and none delayed): unscaled. The half ones join the masters now, as
+        # a step would move them (an earlier exit moved its own); the optimizer's own are
+        # added after the unscale, as grads an earlier exit unscaled are.
+        plain = (scaler is not None and stash.delayed_inv is None
                  and stash.bodies_seen == _state.bodies())
         if plain and half_held:
             _move_plain(stash, masters)
             half_held = []
-        if plain and own_held and not stash.unscaled_warned:
+        plain_own = plain and bool(own_held) and not stash.grads_unscaled
+        if plain_own and not stash.unscaled_warned:
             warn_unscaled(stash, None)
         held = Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
-                     stash.grads_unscaled or plain, [], plain=plain and bool(own_held))
+                     stash.grads_unscaled or plain_own, [])
         for param in own_held + half_held:
             param.grad = None
         return held

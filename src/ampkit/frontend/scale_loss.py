@@ -107,7 +107,6 @@ class _ScaleLoss:
         several = self.several = _several_processes()
         held = self.held = [set_aside(opt, stash, scaler, window, several)
                             for opt, stash in zip(self.opts, self.stashes)]
-        _state.body_began()
         self.body_scale = None
         if several and scaler is not None:  # grads held in place
             self._scale_held_up(scaler, held)
@@ -139,9 +138,11 @@ class _ScaleLoss:
         if held is None:  # disabled: the loss was yielded as it is
             return False
         self.held = None
+        _state.body_began()  # (counted at its end: its backward may have reached others')
         if exc_type is not None:
-            for entry in held:
+            for stash, entry in zip(self.stashes, held):
                 entry.restore()
+                stash.bodies_seen = _state.bodies()  # it holds what it held before again
             return False
         amp, stashes = self.amp, self.stashes
         if amp.fixed_unskipped and not (self.delay_unscale or self.delay_overflow_check):
@@ -284,11 +285,12 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
                                keep=keep)
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
-    if holding and held.own_grads and (stash.stepped or held.plain) and found_inf is not None \
-            and not delay:
-        # Grads kept through a step (no zero_grad since): a fused kernel may have skipped
-        # them on the device for their inf/NaN, unseen here; checked again, as torch's
-        # GradScaler checks every grad it unscales.
+    if holding and held.own_grads and found_inf is not None and not delay:
+        # Held grads that joined after the unscale are checked here: kept through a step
+        # (no zero_grad since), a fused kernel may have skipped them on the device for
+        # their inf/NaN, unseen here; a plain backward's were never checked, nor one that
+        # added to what an earlier exit checked. As torch's GradScaler checks every grad
+        # it unscales.
         unscale_grads_([grad for _, grad in held.own_grads],
                        torch.ones((), device=found_inf.device), found_inf)
     if holding:
