@@ -59,6 +59,7 @@ class Held:
     tag_scale: Optional[Tensor] = None
     cap: Optional[Tensor] = None
     retag: bool = False
+    plain: bool = False  # the optimizer's own held grads are a plain backward's: unchecked
 
     def scale_up(self, body: Tensor) -> None:
         """Before the body (in place, several processes): bring the held grads to the
@@ -154,7 +155,7 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
         if plain_own and not stash.unscaled_warned:
             warn_unscaled(stash, None)
         held = Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
-                     stash.grads_unscaled or plain_own, [])
+                     stash.grads_unscaled or plain_own, [], plain=plain_own)
         for param in own_held + half_held:
             param.grad = None
         return held

@@ -285,12 +285,12 @@ def _take_grads(stash: AmpStash, held: Held, inv_scale: Optional[Tensor],
                                keep=keep)
     else:
         _unscale_grads(own, inv_scale, found_inf, [])
-    if holding and held.own_grads and found_inf is not None and not delay:
-        # Held grads that joined after the unscale are checked here: kept through a step
-        # (no zero_grad since), a fused kernel may have skipped them on the device for
-        # their inf/NaN, unseen here; a plain backward's were never checked, nor one that
-        # added to what an earlier exit checked. As torch's GradScaler checks every grad
-        # it unscales.
+    if holding and held.own_grads and (stash.stepped or held.plain) and found_inf is not None \
+            and not delay:
+        # Grads kept through a step (no zero_grad since): a fused kernel may have skipped
+        # them on the device for their inf/NaN, unseen here; a plain backward's were never
+        # checked. Checked again, as torch's GradScaler checks every grad it unscales.
+        # (Grads an earlier exit checked are not: their overflow counted once already.)
         unscale_grads_([grad for _, grad in held.own_grads],
                        torch.ones((), device=found_inf.device), found_inf)
     if holding:
