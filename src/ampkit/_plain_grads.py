@@ -24,7 +24,7 @@ def warn_unscaled(stash: "AmpStash", masters: Optional["MasterWeights"]) -> None
     """Once per optimizer: fp16 grads of a plain ``backward()`` under an initialize that
     scales the loss (its small grads flushed to zero; apex's O2 step ignored them)."""
     amp = stash.prepared_by
-    if amp is None or not (amp.enabled and amp.scaling) or not (
+    if stash.unscaled_warned or amp is None or not (amp.enabled and amp.scaling) or not (
             amp.half_dtype is torch.float16 if masters is None else
             any(p.dtype == torch.float16 for p in masters.model_params)):
         return

@@ -66,7 +66,7 @@ class AmpStash:
     last_found_inf: Optional[Tensor] = None
     carried_inf: Optional[Tensor] = None
     stepped: bool = False  # since zero_grad: held grads may be a fused skip's inf/NaN
-    unscaled_warned: bool = False  # a step found fp16 grads that no loss scaling scaled
+    unscaled_warned: bool = False  # it warned of a plain backward's fp16 grads (_plain_grads)
     bodies_seen: int = 0  # _state.bodies() when it last zeroed, stepped or left a body
     # An LR scheduler's ``_opt_called`` as the last step() left it: a skip puts it back (the
     # scheduler's wrapper set it before calling step), as if no step had been called.
@@ -221,7 +221,7 @@ def _step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         return None  # step(closure) is not evaluated: the skip was decided before it
     masters = stash.masters
     # Grads no scale_loss/unscale_ moved (a loss scale of 1, or a plain backward).
-    if masters is not None and masters.move_grads() and not stash.unscaled_warned:
+    if masters is not None and masters.move_grads():
         warn_unscaled(stash, masters)
     closure = _closure_in(args, kwargs)
     if closure is not None:
@@ -268,10 +268,10 @@ def _skipped(optimizer: torch.optim.Optimizer) -> None:
     consumed by every step, and the half model's dropped, the latter to come back as
     zeros at a ``zero_grad(set_to_none=False)``), so none leaks into the next iteration,
     while a parameter the next backward does not reach still steps after a
-    ``zero_grad(set_to_none=False)``, as after torch's skip. An
-    LR scheduler's wrapper (which ran first) sees no step: its flag goes back to what the
-    last step left, so a skipped first step warns "lr_scheduler.step() before
-    optimizer.step()", as under apex and torch's GradScaler, and a later one does not."""
+    ``zero_grad(set_to_none=False)``, as after torch's skip. An LR scheduler's wrapper
+    (which ran first) sees no step: its flag goes back to what the last step left, so a
+    skipped first step warns "lr_scheduler.step() before optimizer.step()", as under apex
+    and torch's GradScaler, and a later one does not."""
     stash: AmpStash = getattr(optimizer, ATTR)
     masters = stash.masters
     if masters is not None:
@@ -329,7 +329,7 @@ def _checked_closure(optimizer: torch.optim.Optimizer, stash: AmpStash,
         if masters is not None:
             masters.copy_to_model()
         loss = closure()
-        if masters is not None and masters.move_grads() and not stash.unscaled_warned:
+        if masters is not None and masters.move_grads():
             warn_unscaled(stash, masters)  # a plain backward in the closure
         if stash.found_inf is not None:
             found_inf, stash.found_inf = stash.found_inf, None

@@ -210,7 +210,7 @@ def _run_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     settings = TrainSettings(**job["settings"])
-    torch.set_num_threads(job["threads"])  # restored by the rank's exit
+    torch.set_num_threads(job["threads"])  # (this rank's own process)
     if torch.device(settings.device).type == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)

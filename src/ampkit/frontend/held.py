@@ -37,7 +37,8 @@ class Held:
 
     ``own``: the params the optimizer steps itself; ``half``: the half model params behind
     its fp32 masters (their held grads another body's backward left, still scaled; a plain
-    backward's join the masters before the body instead, see :func:`set_aside`). ``started``: set once the
+    backward's join the masters before the body instead, see :func:`set_aside`).
+    ``started``: set once the
     scaled loss's backward began (watched only while grads are held in place).
     """
 
@@ -152,7 +153,7 @@ def set_aside(optimizer: torch.optim.Optimizer, stash: AmpStash,
             _move_plain(stash, masters)
             half_held = []
         plain_own = plain and bool(own_held) and not stash.grads_unscaled
-        if plain_own and not stash.unscaled_warned:
+        if plain_own:
             warn_unscaled(stash, None)
         held = Held(own, half, [(p, p.grad) for p in own_held], [(p, p.grad) for p in half_held],
                      stash.grads_unscaled or plain_own, [], plain=plain_own)
@@ -186,6 +187,6 @@ def _move_plain(stash: AmpStash, masters: MasterWeights) -> None:
     def check(grads: list[Tensor]) -> None:
         if grads:
             unscale_grads_(grads, torch.ones((), device=flag.device), flag)
-    if masters.move_grads(check) and not stash.unscaled_warned:
+    if masters.move_grads(check):
         warn_unscaled(stash, masters)
     stash.pending_found_inf = or_flag(stash.pending_found_inf, flag)
